@@ -1,0 +1,119 @@
+"""Pure planning of one engine step: which rows, history and keys each row of the batch sees.
+
+A step is a list of segments, one per stream: `length` consecutive positions starting at `start`
+(a prefill window, a decode row, or a verify run). Rows are laid out segment after segment.
+Nothing here touches weights or OpenVINO, so it is tested with hand-made inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+NEG_INF = np.float32(-np.inf)
+
+
+@dataclass(frozen=True)
+class Segment:
+    stream: Hashable
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class KeyPlan:
+    """Keys for one attention kind (a sliding window, or unbounded for global layers)."""
+
+    past_positions: np.ndarray  # [S, Lc] positions to read from each stream's cache, -1 = padding
+    step_keys: np.ndarray  # [T, W] rows of this step a row may attend to (its own stream's)
+    key_mask: np.ndarray  # [T, Lc + W] 0 or -inf
+    key_distance: np.ndarray  # [T, Lc + W] query position - key position
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    segments: tuple[Segment, ...]
+    row_stream: np.ndarray  # [T] segment index of each row
+    row_position: np.ndarray  # [T]
+    row_offset: np.ndarray  # [S] first row of each segment
+    conv_index: np.ndarray  # [T, K] into [history rows (S*(K-1)); step rows]
+    keys: dict[int | None, KeyPlan]
+
+    @property
+    def rows(self) -> int:
+        return int(self.row_stream.shape[0])
+
+
+def plan_step(segments: Sequence[Segment], kernel: int, windows: Sequence[int | None]) -> StepPlan:
+    """Index tables for a step over `segments` with conv kernel `kernel` and the given attention windows."""
+    if not segments:
+        raise ValueError("a step needs at least one segment")
+    seen: set[Hashable] = set()
+    for seg in segments:
+        if seg.length < 1 or seg.start < 0:
+            raise ValueError(f"stream {seg.stream!r}: segment start {seg.start} length {seg.length} is empty")
+        if seg.stream in seen:
+            raise ValueError(f"stream {seg.stream!r} appears twice in one step")
+        seen.add(seg.stream)
+    lengths = np.array([s.length for s in segments], dtype=np.int64)
+    starts = np.array([s.start for s in segments], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    row_stream = np.repeat(np.arange(len(segments)), lengths)
+    within = np.arange(int(lengths.sum())) - offsets[row_stream]  # j: row's index inside its segment
+    row_position = starts[row_stream] + within
+
+    # conv taps: tap k of a row reads position p - (K-1) + k; lag m = K-1-k
+    history = len(segments) * (kernel - 1)
+    lags = np.arange(kernel - 1, -1, -1)
+    in_step = within[:, None] >= lags[None, :]
+    step_index = history + offsets[row_stream][:, None] + within[:, None] - lags[None, :]
+    # history row b*(K-1) + (K-1-m') holds position start - m' (oldest first)
+    back = lags[None, :] - within[:, None]  # m' = how far before the segment start
+    hist_index = row_stream[:, None] * (kernel - 1) + (kernel - 1) - back
+    conv_index = np.where(in_step, step_index, hist_index).astype(np.int32)
+
+    keys = {window: _key_plan(starts, lengths, offsets, row_stream, row_position, window) for window in set(windows)}
+    return StepPlan(
+        tuple(segments),
+        row_stream.astype(np.int32),
+        row_position,
+        offsets.astype(np.int32),
+        conv_index,
+        keys,
+    )
+
+
+def _key_plan(
+    starts: np.ndarray,
+    lengths: np.ndarray,
+    offsets: np.ndarray,
+    row_stream: np.ndarray,
+    row_position: np.ndarray,
+    window: int | None,
+) -> KeyPlan:
+    first = np.zeros_like(starts) if window is None else np.maximum(0, starts - (window - 1))
+    counts = starts - first
+    cached = max(1, int(counts.max()))  # one padding slot keeps shapes non-empty
+    slot = np.arange(cached)
+    past_positions = np.where(slot[None, :] < counts[:, None], first[:, None] + slot[None, :], -1)
+
+    width = int(lengths.max())
+    w = np.arange(width)
+    seg_len = lengths[row_stream]
+    step_keys = np.where(w[None, :] < seg_len[:, None], offsets[row_stream][:, None] + w[None, :], 0)
+    step_pos = np.where(w[None, :] < seg_len[:, None], starts[row_stream][:, None] + w[None, :], -1)
+
+    key_pos = np.concatenate([past_positions[row_stream], step_pos], axis=1)
+    distance = row_position[:, None] - key_pos
+    visible = (key_pos >= 0) & (distance >= 0)
+    if window is not None:
+        visible &= distance < window
+    mask = np.where(visible, np.float32(0.0), NEG_INF).astype(np.float32)
+    return KeyPlan(
+        past_positions.astype(np.int64),
+        step_keys.astype(np.int32),
+        mask,
+        np.where(key_pos >= 0, distance, -1).astype(np.int32),
+    )

@@ -1,0 +1,301 @@
+"""The compute core of a shard: a contiguous range of Inkling layers on OpenVINO, many streams at once.
+
+`StageEngine.step` advances any mix of streams (prefill windows, decode rows, verify runs) in one
+batched call per layer; stream state lives on the host in `state.StreamState` and is fed to the
+compiled models through the index tables of `batch.plan_step`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import openvino as ov
+
+from cascadia.engine import graphs
+from cascadia.engine.batch import Segment, StepPlan, plan_step
+from cascadia.engine.settings import EngineSettings
+from cascadia.engine.state import BudgetExceeded, GrowingRows, LayerState, RingRows, StreamState
+from cascadia.model.checkpoint import LayerWeights, StageWeights
+
+CONVS = ("k", "v", "o", "m")
+Progress = Callable[[str, int, int], None]
+
+
+class StreamError(ValueError):
+    """A request about a stream that does not exist, already exists, or is at another position."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    hidden: np.ndarray | None  # [T, H] residual rows for the next stage (not on the last stage)
+    logits: np.ndarray | None  # [rows asked for, V] on the last stage
+    logit_rows: np.ndarray | None  # which step rows the logits belong to
+
+
+def _compile_config(settings: EngineSettings, compute: str) -> dict[str, str]:
+    config = {"INFERENCE_PRECISION_HINT": compute, "PERFORMANCE_HINT": "LATENCY"}
+    if settings.threads:
+        config["INFERENCE_NUM_THREADS"] = str(settings.threads)
+    return config
+
+
+def _power_of_two_scale(layer: LayerWeights) -> float:
+    """Scale for the down projection so that f16 expert outputs stay far below f16's maximum.
+
+    A bound on |output| per unit of input activation is the largest row L1-norm of the down
+    weights; 2^-n brings it under 2^8, leaving room for large activations.
+    """
+    bound = float(np.abs(layer.experts.down).sum(axis=-1).max())
+    exponent = max(0, math.ceil(math.log2(max(bound, 1e-30))) - 8)
+    return 2.0**-exponent
+
+
+class _Layer:
+    def __init__(self, core: ov.Core, shape, weights: LayerWeights, settings: EngineSettings) -> None:
+        self.index = weights.index
+        self.attention = shape.layer_attention(weights.index)
+        split = settings.split_expert_graph
+        residual_cfg = _compile_config(settings, settings.residual_compute)
+        attention_model = graphs.attention_graph(
+            shape, weights, settings.attention_weights, None if split else settings.expert_weights
+        )
+        self.attention_model = core.compile_model(attention_model, settings.device, residual_cfg)
+        self.attention_request = self.attention_model.create_infer_request()
+        self.expert_request = self.post_request = None
+        self.expert_model = None
+        if split:
+            scale = _power_of_two_scale(weights)
+            self.expert_model = core.compile_model(
+                graphs.expert_graph(shape, weights, settings.expert_weights, scale),
+                settings.device,
+                _compile_config(settings, settings.expert_compute),
+            )
+            self.expert_request = self.expert_model.create_infer_request()
+            post = core.compile_model(graphs.post_graph(shape, weights, scale), settings.device, residual_cfg)
+            self.post_request = post.create_infer_request()
+        self.needs_query_position = self.attention.kind == "global" and shape.log_scaling_n_floor is not None
+
+    def run(self, inputs: dict[str, np.ndarray], hist_m: np.ndarray, conv_index: np.ndarray) -> dict[str, np.ndarray]:
+        out = _infer(self.attention_request, inputs)
+        if self.expert_request is None:
+            return out
+        expert_out = _infer(
+            self.expert_request,
+            {"mlp_input": out["mlp_input"], "expert_index": out["expert_index"], "expert_weight": out["expert_weight"]},
+        )["expert_out"]
+        out.update(
+            _infer(
+                self.post_request,
+                {"expert_out": expert_out, "residual": out["residual"], "conv_hist_m": hist_m, "conv_index": conv_index},
+            )
+        )
+        return out
+
+
+def _infer(request: ov.InferRequest, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    request.infer(inputs, share_inputs=True)
+    return {
+        name: request.get_tensor(name).data.copy()
+        for out in request.model_outputs
+        for name in [out.get_any_name()]
+    }
+
+
+class StageEngine:
+    """Layers [start, end) of one checkpoint; the first stage also embeds, the last also runs the head."""
+
+    def __init__(
+        self, weights: StageWeights, settings: EngineSettings, progress: Progress | None = None
+    ) -> None:
+        self.shape = weights.shape
+        self.settings = settings
+        self.start_layer, self.end_layer = weights.start_layer, weights.end_layer
+        self.is_first = weights.start_layer == 0
+        self.is_last = weights.end_layer == weights.shape.num_layers
+        core = ov.Core()
+        total = len(weights.layers) + int(self.is_first) + int(self.is_last)
+        done = 0
+
+        def tick(what: str) -> None:
+            nonlocal done
+            done += 1
+            if progress is not None:
+                progress(what, done, total)
+
+        self._embed = self._head = None
+        residual_cfg = _compile_config(settings, settings.residual_compute)
+        if self.is_first:
+            model = graphs.embed_graph(weights.embed, weights.embed_norm, self.shape.rms_norm_eps, settings.head_weights)
+            self._embed = core.compile_model(model, settings.device, residual_cfg).create_infer_request()
+            tick("embedding")
+        self._layers: list[_Layer] = []
+        for layer in weights.layers:
+            self._layers.append(_Layer(core, self.shape, layer, settings))
+            tick(f"layer {layer.index}")
+        if self.is_last:
+            model = graphs.head_graph(self.shape, weights.final_norm, weights.head, settings.head_weights)
+            self._head = core.compile_model(model, settings.device, residual_cfg).create_infer_request()
+            tick("head")
+        self._windows = tuple(layer.attention.window for layer in self._layers)
+        self._has_global = any(w is None for w in self._windows)
+        self._streams: dict[Hashable, StreamState] = {}
+
+    # -- stream lifecycle -------------------------------------------------------------------------
+
+    def open(self, stream: Hashable, context: int | None = None) -> None:
+        if stream in self._streams:
+            raise StreamError(f"stream {stream!r} is already open")
+        context = context or self.settings.context
+        if not 1 <= context <= self.settings.context:
+            raise BudgetExceeded(
+                f"stream {stream!r}: context {context} exceeds this engine's budget of {self.settings.context}"
+            )
+        slack, kernel = self.settings.rewind_slack, self.shape.conv_kernel_size
+        layers = []
+        for layer in self._layers:
+            a = layer.attention
+            row = (a.num_kv_heads, a.head_dim)
+            if a.window is None:
+                keys: RingRows | GrowingRows = GrowingRows(context, row)
+                values: RingRows | GrowingRows = GrowingRows(context, row)
+            else:
+                keys, values = RingRows(a.window - 1 + slack, row), RingRows(a.window - 1 + slack, row)
+            h = self.shape.hidden_size
+            widths = {"k": a.kv_width, "v": a.kv_width, "o": h, "m": h}
+            convs = {name: RingRows(kernel - 1 + slack, (width,)) for name, width in widths.items()}
+            layers.append(LayerState(keys, values, convs))
+        self._streams[stream] = StreamState(layers, 0, slack)
+
+    def close(self, stream: Hashable) -> None:
+        if self._streams.pop(stream, None) is None:
+            raise StreamError(f"stream {stream!r} is not open")
+
+    def rewind(self, stream: Hashable, position: int) -> None:
+        self._stream(stream).rewind(position)
+
+    def position(self, stream: Hashable) -> int:
+        return self._stream(stream).position
+
+    def stream_bytes(self, stream: Hashable) -> int:
+        return self._stream(stream).nbytes
+
+    @property
+    def streams(self) -> list[Hashable]:
+        return list(self._streams)
+
+    def _stream(self, stream: Hashable) -> StreamState:
+        try:
+            return self._streams[stream]
+        except KeyError:
+            raise StreamError(f"stream {stream!r} is not open") from None
+
+    # -- stepping ---------------------------------------------------------------------------------
+
+    def step(
+        self,
+        segments: Sequence[Segment],
+        inputs: np.ndarray,
+        logit_rows: np.ndarray | None = None,
+    ) -> StepResult:
+        """Advance every segment's stream by its rows.
+
+        `inputs` holds token ids [T] on the first stage and residual rows [T, H] elsewhere. On the
+        last stage, `logit_rows` picks the rows whose logits are returned (default: every row).
+        """
+        states = [self._stream(seg.stream) for seg in segments]
+        for seg, state in zip(segments, states, strict=True):
+            if seg.start != state.position:
+                raise StreamError(
+                    f"stream {seg.stream!r}: segment starts at {seg.start} but the stream is at {state.position}"
+                )
+            if self._has_global and seg.start + seg.length > self._global_limit(state):
+                raise BudgetExceeded(
+                    f"stream {seg.stream!r}: {seg.start + seg.length} positions exceed its context budget "
+                    f"of {self._global_limit(state)}"
+                )
+        plan = plan_step(segments, self.shape.conv_kernel_size, self._windows)
+        rows = plan.rows
+        if self.is_first:
+            ids = np.asarray(inputs)
+            if ids.shape != (rows,) or not np.issubdtype(ids.dtype, np.integer):
+                raise ValueError(f"expected {rows} integer token ids, got array of shape {ids.shape}")
+            if ids.size and (ids.min() < 0 or ids.max() >= self.shape.vocab_size):
+                raise ValueError(f"token ids must lie in [0, {self.shape.vocab_size})")
+            hidden = _infer(self._embed, {"input_ids": ids.astype(np.int32)})["hidden"]
+        else:
+            hidden = np.ascontiguousarray(inputs, dtype=np.float32)
+            if hidden.shape != (rows, self.shape.hidden_size):
+                raise ValueError(
+                    f"expected hidden rows of shape ({rows}, {self.shape.hidden_size}), got {hidden.shape}"
+                )
+        for state in states:
+            for layer_state in state.layers:
+                for rows_store in (layer_state.keys, layer_state.values):
+                    if isinstance(rows_store, GrowingRows):
+                        rows_store.reserve(state.position + max(s.length for s in segments))
+        for li, layer in enumerate(self._layers):
+            hidden = self._run_layer(li, layer, plan, states, hidden)
+        for seg, state in zip(segments, states, strict=True):
+            state.position += seg.length
+        if not self.is_last:
+            return StepResult(hidden, None, None)
+        chosen = np.arange(rows) if logit_rows is None else np.asarray(logit_rows, dtype=np.int64)
+        logits = _infer(self._head, {"hidden": np.ascontiguousarray(hidden[chosen])})["logits"]
+        return StepResult(None, logits, chosen)
+
+    def _global_limit(self, state: StreamState) -> int:
+        return next(layer.keys.limit for layer in state.layers if isinstance(layer.keys, GrowingRows))
+
+    def _run_layer(
+        self, li: int, layer: _Layer, plan: StepPlan, states: list[StreamState], hidden: np.ndarray
+    ) -> np.ndarray:
+        kernel = self.shape.conv_kernel_size
+        keys_plan = plan.keys[layer.attention.window]
+        segs = plan.segments
+
+        def history(conv: str) -> np.ndarray:
+            return np.concatenate(
+                [st.conv_history(li, conv, s.start, kernel) for st, s in zip(states, segs, strict=True)]
+            )
+
+        past = np.maximum(keys_plan.past_positions, 0)
+        past_k = np.stack([st.layers[li].keys.read(past[b]) for b, st in enumerate(states)])
+        past_v = np.stack([st.layers[li].values.read(past[b]) for b, st in enumerate(states)])
+        inputs = {
+            "hidden": hidden,
+            "conv_hist_k": history("k"),
+            "conv_hist_v": history("v"),
+            "conv_hist_o": history("o"),
+            "conv_index": plan.conv_index,
+            "row_stream": plan.row_stream,
+            "past_k": past_k,
+            "past_v": past_v,
+            "step_keys": keys_plan.step_keys,
+            "key_mask": keys_plan.key_mask,
+            "key_distance": keys_plan.key_distance,
+        }
+        hist_m = history("m")
+        if layer.needs_query_position:
+            inputs["query_position"] = plan.row_position.astype(np.float32)
+        if layer.expert_request is None:
+            inputs["conv_hist_m"] = hist_m
+        out = layer.run(inputs, hist_m, plan.conv_index)
+        for b, (seg, st) in enumerate(zip(segs, states, strict=True)):
+            first = int(plan.row_offset[b])
+            rows = slice(first, first + seg.length)
+            positions = plan.row_position[rows]
+            ls = st.layers[li]
+            self._write(ls.keys, positions, out["new_k"][rows])
+            self._write(ls.values, positions, out["new_v"][rows])
+            for conv, name in zip(CONVS, ("k_conv_in", "v_conv_in", "o_conv_in", "m_conv_in"), strict=True):
+                self._write(ls.convs[conv], positions, out[name][rows])
+        return out["hidden_out"]
+
+    @staticmethod
+    def _write(store: RingRows | GrowingRows, positions: np.ndarray, rows: np.ndarray) -> None:
+        if isinstance(store, RingRows) and len(positions) > store.capacity:
+            positions, rows = positions[-store.capacity :], rows[-store.capacity :]
+        store.write(positions, rows)

@@ -1,0 +1,280 @@
+"""OpenVINO graphs for one Inkling decoder layer, the embedding and the head.
+
+Shape legend: T = rows in the step (tokens of many streams, flattened), S = streams in the step,
+R = S * (K - 1) conv-history rows, K = conv kernel, Lc = cached key slots per stream, W = in-step key
+slots per row, H = hidden, Hq / Hkv = query / key-value heads, G = Hq / Hkv, D = head dim,
+E = experts in the layer's bank (routed + shared, or the dense slices), I = expert width.
+
+Every step-dependent index (which history rows and keys a row sees, distances, masks) is computed on
+the host by `batch.plan_step` and fed in, so one compiled model serves any mix of streams.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import openvino as ov
+import openvino.opset16 as ops
+
+from cascadia.engine.weights import WeightFormat, weight_node
+from cascadia.model.checkpoint import LayerWeights
+from cascadia.model.config import InklingShape
+
+Node = ov.Node
+
+
+def _i64(*values: int) -> Node:
+    return ops.constant(np.array(values, dtype=np.int64))
+
+
+def _f32(value: float | np.ndarray) -> Node:
+    return ops.constant(np.asarray(value, dtype=np.float32))
+
+
+def _param(name: str, shape: list[int], dtype: str = "f32") -> ov.Node:
+    node = ops.parameter(ov.PartialShape(shape), getattr(ov.Type, dtype), name=name)
+    node.output(0).get_tensor().set_names({name})
+    return node
+
+
+def _named(node: Node, name: str) -> Node:
+    node.output(0).get_tensor().set_names({name})
+    return node
+
+
+def rms_norm(x: Node, weight: np.ndarray, eps: float) -> Node:
+    mean_square = ops.reduce_mean(ops.multiply(x, x), _i64(-1), keep_dims=True)
+    inv = ops.divide(_f32(1.0), ops.sqrt(ops.add(mean_square, _f32(eps))))
+    return ops.multiply(ops.multiply(x, inv), _f32(weight))
+
+
+def linear(x: Node, weight: np.ndarray, fmt: WeightFormat, name: str) -> Node:
+    return ops.matmul(x, weight_node(weight, fmt, name), transpose_a=False, transpose_b=True)
+
+
+def short_conv(x: Node, history: Node, index: Node, weight: np.ndarray) -> Node:
+    """Causal depthwise conv over [history rows; this step's rows] plus the residual input.
+
+    x [T, C], history [R, C], index [T, K] into the concatenation, weight [C, K].
+    """
+    extended = ops.concat([history, x], 0)
+    window = ops.gather(extended, index, _i64(0))  # [T, K, C]
+    taps = _f32(np.ascontiguousarray(weight.T))  # [K, C]
+    return ops.add(ops.reduce_sum(ops.multiply(window, taps), _i64(1), keep_dims=False), x)
+
+
+def attention_graph(
+    shape: InklingShape,
+    layer: LayerWeights,
+    attention_fmt: WeightFormat,
+    expert_fmt: WeightFormat | None,
+) -> ov.Model:
+    """Norm, attention with its convs, residual, post-attention norm and the FP32 router.
+
+    With `expert_fmt` the experts, the MLP-output conv and the residual add join the same model
+    (when experts and residual stream share a compute precision).
+    """
+    i = layer.index
+    a = shape.layer_attention(i)
+    w = layer.attention
+    h, k, d = shape.hidden_size, shape.conv_kernel_size, a.head_dim
+    groups = a.num_heads // a.num_kv_heads
+    eps = shape.rms_norm_eps
+
+    hidden = _param("hidden", [-1, h])
+    hist_k = _param("conv_hist_k", [-1, a.kv_width])
+    hist_v = _param("conv_hist_v", [-1, a.kv_width])
+    hist_o = _param("conv_hist_o", [-1, h])
+    conv_index = _param("conv_index", [-1, k], "i32")
+    row_stream = _param("row_stream", [-1], "i32")
+    past_k = _param("past_k", [-1, -1, a.num_kv_heads, d])
+    past_v = _param("past_v", [-1, -1, a.num_kv_heads, d])
+    step_keys = _param("step_keys", [-1, -1], "i32")
+    key_mask = _param("key_mask", [-1, -1])
+    key_distance = _param("key_distance", [-1, -1], "i32")
+    params = [hidden, hist_k, hist_v, hist_o, conv_index, row_stream, past_k, past_v]
+    params += [step_keys, key_mask, key_distance]
+
+    x = rms_norm(hidden, w.input_norm, eps)
+    q = linear(x, w.q_proj, attention_fmt, f"l{i}.q")
+    k_in = _named(linear(x, w.k_proj, attention_fmt, f"l{i}.k"), "k_conv_in")
+    v_in = _named(linear(x, w.v_proj, attention_fmt, f"l{i}.v"), "v_conv_in")
+    r = linear(x, w.r_proj, attention_fmt, f"l{i}.r")
+
+    q = rms_norm(ops.reshape(q, _i64(-1, a.num_heads, d), False), w.q_norm, eps)  # [T, Hq, D]
+    keys_new = ops.reshape(short_conv(k_in, hist_k, conv_index, w.k_conv), _i64(-1, a.num_kv_heads, d), False)
+    keys_new = _named(rms_norm(keys_new, w.k_norm, eps), "new_k")  # [T, Hkv, D]
+    values_new = _named(
+        ops.reshape(short_conv(v_in, hist_v, conv_index, w.v_conv), _i64(-1, a.num_kv_heads, d), False), "new_v"
+    )
+
+    # each row sees its stream's cached keys, then its stream's rows of this step
+    keys = ops.concat([ops.gather(past_k, row_stream, _i64(0)), ops.gather(keys_new, step_keys, _i64(0))], 1)
+    values = ops.concat(
+        [ops.gather(past_v, row_stream, _i64(0)), ops.gather(values_new, step_keys, _i64(0))], 1
+    )  # [T, L, Hkv, D]
+
+    q_grouped = ops.reshape(q, _i64(0, a.num_kv_heads, groups, d), True)  # [T, Hkv, G, D]
+    scores = ops.matmul(q_grouped, ops.transpose(keys, _i64(0, 2, 3, 1)), False, False)  # [T, Hkv, G, L]
+    scores = ops.multiply(scores, _f32(1.0 / d))
+
+    # relative-position bias: one value per (row, head, distance), zero beyond the extent
+    rel = ops.matmul(ops.reshape(r, _i64(-1, a.num_heads, shape.d_rel), False), _f32(w.rel_proj), False, False)
+    clamped = ops.clamp(key_distance, 0, a.rel_extent - 1)
+    distance_shape = ops.shape_of(clamped, "i64")
+    heads_shape = ops.concat(
+        [ops.gather(distance_shape, _i64(0), _i64(0)), _i64(a.num_heads), ops.gather(distance_shape, _i64(1), _i64(0))],
+        0,
+    )
+    gather_index = ops.broadcast(ops.unsqueeze(clamped, _i64(1)), heads_shape)  # [T, Hq, L]
+    bias = ops.gather_elements(rel, gather_index, 2)  # [T, Hq, L]
+    in_extent = ops.logical_and(
+        ops.greater_equal(key_distance, ops.constant(np.int32(0))),
+        ops.less(key_distance, ops.constant(np.int32(a.rel_extent))),
+    )
+    bias = ops.select(ops.unsqueeze(in_extent, _i64(1)), bias, _f32(0.0))
+    bias = ops.reshape(bias, _i64(0, a.num_kv_heads, groups, -1), True)
+
+    if a.kind == "global" and shape.log_scaling_n_floor is not None:
+        query_position = _param("query_position", [-1])
+        params.append(query_position)
+        n_eff = ops.divide(ops.add(query_position, _f32(1.0)), _f32(float(shape.log_scaling_n_floor)))
+        tau = ops.add(_f32(1.0), ops.multiply(_f32(shape.log_scaling_alpha), ops.log(ops.maximum(n_eff, _f32(1.0)))))
+        tau = ops.reshape(tau, _i64(-1, 1, 1, 1), False)
+        scores = ops.multiply(scores, tau)
+        bias = ops.multiply(bias, tau)
+
+    scores = ops.add(ops.add(scores, bias), ops.unsqueeze(key_mask, _i64(1, 2)))
+    probs = ops.softmax(scores, -1)
+    context = ops.matmul(probs, ops.transpose(values, _i64(0, 2, 1, 3)), False, False)  # [T, Hkv, G, D]
+    context = ops.reshape(context, _i64(-1, a.q_width), False)
+    o_in = _named(linear(context, w.o_proj, attention_fmt, f"l{i}.o"), "o_conv_in")
+    residual = _named(ops.add(hidden, short_conv(o_in, hist_o, conv_index, w.attn_conv)), "residual")
+    mlp_input = _named(rms_norm(residual, layer.post_attention_norm, eps), "mlp_input")
+
+    results = [k_in, v_in, o_in, keys_new, values_new]
+    index, weight = _routing(shape, layer, mlp_input)
+    if expert_fmt is None:
+        results += [residual, mlp_input, _named(index, "expert_index"), _named(weight, "expert_weight")]
+    else:
+        params_e, results_e = _expert_block(shape, layer, mlp_input, index, weight, residual, conv_index, expert_fmt)
+        params += params_e
+        results += results_e
+    return ov.Model([ops.result(n) for n in results], params, f"layer{i}_attention")
+
+
+def _routing(shape: InklingShape, layer: LayerWeights, x: Node) -> tuple[Node, Node]:
+    """Expert ids [T, n] and weights [T, n] for the layer's bank.
+
+    MoE: FP32 logits, sigmoid scores, top-k on score + correction bias, then the chosen routed
+    sigmoids and the shared experts' sigmoids normalised together (exp(logsigmoid) = sigmoid, so the
+    log-sum-exp normalisation is a plain sum) times route_scale and the router's global_scale.
+    Dense: every slice with the MLP's global scale.
+    """
+    rows = ops.gather(ops.shape_of(x, "i64"), _i64(0), _i64(0))
+    if layer.router is None:
+        n = layer.experts.gate.shape[0]
+        shape_tn = ops.concat([rows, _i64(n)], 0)
+        index = ops.broadcast(ops.constant(np.arange(n, dtype=np.int32)), shape_tn)
+        weight = ops.broadcast(_f32(np.full(n, layer.dense_scale, dtype=np.float32)), shape_tn)
+        return index, weight
+    e, s, top_k = shape.n_routed_experts, shape.n_shared_experts, shape.num_experts_per_tok
+    logits = ops.matmul(x, _f32(layer.router.weight), False, True)  # [T, e + s]
+    scores = ops.sigmoid(logits)
+    routed = ops.slice(scores, _i64(0), _i64(e), _i64(1), _i64(1))
+    shared = ops.slice(scores, _i64(e), _i64(e + s), _i64(1), _i64(1))
+    choice = ops.add(routed, _f32(layer.router.correction_bias))
+    chosen = ops.topk(choice, ops.constant(np.int64(top_k)), 1, "max", "none", "i32").output(1)
+    picked = ops.gather_elements(routed, chosen, 1)
+    both = ops.concat([picked, shared], 1)
+    scale = shape.route_scale * layer.router.global_scale
+    weight = ops.multiply(ops.divide(both, ops.reduce_sum(both, _i64(1), keep_dims=True)), _f32(scale))
+    shared_ids = ops.broadcast(ops.constant(np.arange(e, e + s, dtype=np.int32)), ops.concat([rows, _i64(s)], 0))
+    return ops.concat([chosen, shared_ids], 1), weight
+
+
+def _fused_experts(x: Node, index: Node, weight: Node, gate: Node, up: Node, down: Node, n: int, h: int) -> Node:
+    """All experts of the bank in the vectorised form OpenVINO fuses into its MOE primitive.
+
+    The graph reads as "every expert on every row, weighted by a dense routing matrix"; the plugin's
+    MoE fusion turns it into a kernel that runs only each row's chosen experts.
+    """
+    flat = ops.reshape(x, _i64(-1, h), False)
+    tiled = ops.reshape(ops.tile(flat, _i64(n, 1)), _i64(n, -1, h), False)  # [E, T, H]
+    gated = ops.multiply(ops.swish(ops.matmul(tiled, gate, False, True)), ops.matmul(tiled, up, False, True))
+    expert_out = ops.reshape(ops.matmul(gated, down, False, True), _i64(n, 1, -1, h), False)  # [E, 1, T, H]
+    rows = ops.gather(ops.shape_of(flat, "i64"), _i64(0), _i64(0))
+    dense = ops.broadcast(_f32(0.0), ops.concat([rows, _i64(n)], 0))
+    routing = ops.scatter_elements_update(dense, index, weight, ops.constant(np.int64(1)), "none")
+    routing = ops.unsqueeze(ops.reshape(ops.transpose(routing, _i64(1, 0)), _i64(n, 1, -1), False), _i64(3))
+    combined = ops.reduce_sum(ops.multiply(expert_out, routing), _i64(0), keep_dims=False)  # [1, T, H]
+    return ops.reshape(combined, _i64(-1, h), False)
+
+
+def _expert_block(
+    shape: InklingShape,
+    layer: LayerWeights,
+    x: Node,
+    index: Node,
+    weight: Node,
+    residual: Node | None,
+    conv_index: Node | None,
+    fmt: WeightFormat,
+    out_scale: float = 1.0,
+) -> tuple[list[Node], list[Node]]:
+    """Experts, then (when `residual` is given) the MLP-output conv and the residual add."""
+    i, h = layer.index, shape.hidden_size
+    bank = layer.experts
+    n = bank.gate.shape[0]
+    gate = weight_node(bank.gate, fmt, f"l{i}.experts.gate")
+    up = weight_node(bank.up, fmt, f"l{i}.experts.up")
+    down = weight_node(bank.down * np.float32(out_scale), fmt, f"l{i}.experts.down")
+    mixed = _fused_experts(x, index, weight, gate, up, down, n, h)
+    if residual is None:
+        return [], [_named(mixed, "expert_out")]
+    hist_m = _param("conv_hist_m", [-1, h])
+    m_in = _named(mixed, "m_conv_in")
+    out = _named(ops.add(residual, short_conv(mixed, hist_m, conv_index, layer.mlp_conv)), "hidden_out")
+    return [hist_m], [m_in, out]
+
+
+def expert_graph(shape: InklingShape, layer: LayerWeights, fmt: WeightFormat, out_scale: float) -> ov.Model:
+    """Experts alone, for a compute precision other than the residual stream's.
+
+    Down-projection weights are pre-multiplied by `out_scale` (a power of two) so f16 arithmetic
+    cannot overflow; `post_graph` undoes it in f32.
+    """
+    h = shape.hidden_size
+    x = _param("mlp_input", [-1, h])
+    index = _param("expert_index", [-1, -1], "i32")
+    weight = _param("expert_weight", [-1, -1])
+    _, results = _expert_block(shape, layer, x, index, weight, None, None, fmt, out_scale)
+    return ov.Model([ops.result(n) for n in results], [x, index, weight], f"layer{layer.index}_experts")
+
+
+def post_graph(shape: InklingShape, layer: LayerWeights, out_scale: float) -> ov.Model:
+    """Undo the experts' power-of-two scale, then the MLP-output conv and the residual add, in f32."""
+    h, k = shape.hidden_size, shape.conv_kernel_size
+    expert_out = _param("expert_out", [-1, h])
+    residual = _param("residual", [-1, h])
+    hist_m = _param("conv_hist_m", [-1, h])
+    conv_index = _param("conv_index", [-1, k], "i32")
+    mixed = _named(ops.multiply(expert_out, _f32(1.0 / out_scale)), "m_conv_in")
+    out = _named(ops.add(residual, short_conv(mixed, hist_m, conv_index, layer.mlp_conv)), "hidden_out")
+    return ov.Model(
+        [ops.result(mixed), ops.result(out)], [expert_out, residual, hist_m, conv_index], f"layer{layer.index}_post"
+    )
+
+
+def embed_graph(embed: np.ndarray, embed_norm: np.ndarray, eps: float, fmt: WeightFormat) -> ov.Model:
+    ids = _param("input_ids", [-1], "i32")
+    rows = ops.gather(weight_node(embed, fmt, "embed"), ids, _i64(0))
+    out = _named(rms_norm(rows, embed_norm, eps), "hidden")
+    return ov.Model([ops.result(out)], [ids], "embed")
+
+
+def head_graph(shape: InklingShape, final_norm: np.ndarray, head: np.ndarray, fmt: WeightFormat) -> ov.Model:
+    """Final norm, division by the muP width multiplier, head, and the slice to the unpadded vocabulary."""
+    hidden = _param("hidden", [-1, shape.hidden_size])
+    x = ops.divide(rms_norm(hidden, final_norm, shape.rms_norm_eps), _f32(shape.logits_mup_width_multiplier))
+    logits = linear(x, head[: shape.unpadded_vocab_size], fmt, "head")
+    return ov.Model([ops.result(_named(logits, "logits"))], [hidden], "head")

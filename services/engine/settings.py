@@ -1,0 +1,74 @@
+"""Engine settings: device, weight format per tensor class, compute precision per graph."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from cascadia.engine.weights import WEIGHT_FORMATS, WeightFormat
+
+Compute = Literal["f32", "bf16", "f16"]
+COMPUTE_PRECISIONS: tuple[Compute, ...] = ("f32", "bf16", "f16")
+PRECISION_PRESETS = ("f32", "bf16", "f16", "int8", "int4")
+
+DEFAULT_CONTEXT = 1024
+MAX_CONTEXT = 512 * 1024
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    device: str = "CPU"
+    expert_weights: WeightFormat = "f32"
+    attention_weights: WeightFormat = "f32"
+    head_weights: WeightFormat = "f32"
+    # the experts' graph; the residual stream (norms, attention, router, convs) has its own
+    expert_compute: Compute = "f32"
+    residual_compute: Compute = "f32"
+    context: int = DEFAULT_CONTEXT  # global-layer positions per stream
+    rewind_slack: int = 32  # positions a stream can step back on sliding layers and convs
+    threads: int = 0  # 0: the plugin's default
+
+    def __post_init__(self) -> None:
+        for name in ("expert_weights", "attention_weights", "head_weights"):
+            if getattr(self, name) not in WEIGHT_FORMATS:
+                raise ValueError(f"{name} '{getattr(self, name)}' is not one of {', '.join(WEIGHT_FORMATS)}")
+        for name in ("expert_compute", "residual_compute"):
+            if getattr(self, name) not in COMPUTE_PRECISIONS:
+                raise ValueError(
+                    f"{name} '{getattr(self, name)}' is not one of {', '.join(COMPUTE_PRECISIONS)}"
+                )
+        if not 1 <= self.context <= MAX_CONTEXT:
+            raise ValueError(f"context {self.context} must be between 1 and {MAX_CONTEXT} positions")
+        if self.rewind_slack < 0:
+            raise ValueError(f"rewind_slack must be >= 0, got {self.rewind_slack}")
+
+    @property
+    def split_expert_graph(self) -> bool:
+        """Experts at another precision than the residual stream need a compiled model of their own."""
+        return self.expert_compute != self.residual_compute
+
+
+def preset(name: str, device: str = "CPU", **overrides: object) -> EngineSettings:
+    """The named precision modes of `cascadia generate --precision`.
+
+    The iGPU computes experts in f16; the CPU keeps f32 arithmetic for the quantised modes, since its
+    compressed-weight kernels decompress to f32 and its f16 hint does not compile every fused graph.
+    """
+    if name not in PRECISION_PRESETS:
+        raise ValueError(f"precision '{name}' is not one of {', '.join(PRECISION_PRESETS)}")
+    gpu = device.upper().startswith("GPU")
+    low: Compute = "f16" if gpu else "f32"
+    table: dict[str, EngineSettings] = {
+        "f32": EngineSettings(device=device),
+        "bf16": EngineSettings(device=device, expert_compute="bf16"),
+        "f16": EngineSettings(
+            device=device, expert_weights="f16", attention_weights="f16", head_weights="f16", expert_compute=low
+        ),
+        "int8": EngineSettings(
+            device=device, expert_weights="int8", attention_weights="int8", head_weights="int8", expert_compute=low
+        ),
+        "int4": EngineSettings(
+            device=device, expert_weights="int4", attention_weights="int8", head_weights="int8", expert_compute=low
+        ),
+    }
+    return replace(table[name], **overrides)  # type: ignore[arg-type]
