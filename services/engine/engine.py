@@ -37,6 +37,8 @@ class StepResult:
 
 def _compile_config(settings: EngineSettings, compute: str) -> dict[str, str]:
     config = {"INFERENCE_PRECISION_HINT": compute, "PERFORMANCE_HINT": "LATENCY"}
+    if settings.device.upper().startswith("CPU"):
+        config["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = str(settings.activation_quant_group)
     if settings.threads:
         config["INFERENCE_NUM_THREADS"] = str(settings.threads)
     return config
@@ -199,11 +201,13 @@ class StageEngine:
         segments: Sequence[Segment],
         inputs: np.ndarray,
         logit_rows: np.ndarray | None = None,
+        trace: list[np.ndarray] | None = None,
     ) -> StepResult:
         """Advance every segment's stream by its rows.
 
         `inputs` holds token ids [T] on the first stage and residual rows [T, H] elsewhere. On the
         last stage, `logit_rows` picks the rows whose logits are returned (default: every row).
+        `trace`, when given, receives each layer's output rows (for numerics checks and capture).
         """
         states = [self._stream(seg.stream) for seg in segments]
         for seg, state in zip(segments, states, strict=True):
@@ -238,6 +242,8 @@ class StageEngine:
                         rows_store.reserve(state.position + max(s.length for s in segments))
         for li, layer in enumerate(self._layers):
             hidden = self._run_layer(li, layer, plan, states, hidden)
+            if trace is not None:
+                trace.append(hidden)
         for seg, state in zip(segments, states, strict=True):
             state.position += seg.length
         if not self.is_last:

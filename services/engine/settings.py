@@ -27,6 +27,9 @@ class EngineSettings:
     context: int = DEFAULT_CONTEXT  # global-layer positions per stream
     rewind_slack: int = 32  # positions a stream can step back on sliding layers and convs
     threads: int = 0  # 0: the plugin's default
+    # the CPU plugin can quantise activations to int8 in groups for compressed-weight matmuls;
+    # 0 keeps them in the compute precision (exact to the dequantised weights)
+    activation_quant_group: int = 0
 
     def __post_init__(self) -> None:
         for name in ("expert_weights", "attention_weights", "head_weights"):

@@ -1,0 +1,218 @@
+"""The `cascadia` command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="Cascadia: MoE serving across a fleet.")
+model_app = typer.Typer(no_args_is_help=True, help="Model files: synthetic checkpoints.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that write JSON and PNG.")
+app.add_typer(model_app, name="model")
+app.add_typer(bench_app, name="bench")
+err = Console(stderr=True)
+
+
+def fail(message: str) -> typer.Exit:
+    err.print(f"[red]error:[/red] {message}")
+    return typer.Exit(2)
+
+
+def progress_bar() -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+    )
+
+
+@model_app.command("tiny")
+def model_tiny(
+    out: Annotated[Path, typer.Argument(help="Directory to write the checkpoint to.")],
+    preset: Annotated[str, typer.Option(help="tiny (a few MB, every branch) or mini (about 0.9B parameters)")] = "tiny",
+    seed: Annotated[int, typer.Option(help="Random seed of the weights.")] = 0,
+    layout: Annotated[str, typer.Option(help="inkling_text (transformers) or published (model.llm.*)")] = (
+        "inkling_text"
+    ),
+) -> None:
+    """Write a synthetic Inkling checkpoint that InklingForCausalLM.from_pretrained loads."""
+    from cascadia.model.synthetic import PRESETS, SyntheticSpec, write_checkpoint
+
+    if preset not in PRESETS:
+        raise fail(f"--preset '{preset}' is not one of {', '.join(PRESETS)}")
+    if layout not in ("inkling_text", "published"):
+        raise fail(f"--layout '{layout}' is not one of inkling_text, published")
+    with err.status(f"writing {preset} checkpoint to {out}"):
+        write_checkpoint(out, SyntheticSpec(preset=preset, seed=seed, layout=layout))  # type: ignore[arg-type]
+    err.print(f"wrote {out}")
+
+
+def resolve_model(model: str) -> Path:
+    path = Path(model)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise fail(f"--model {model}: directory has no config.json")
+        return path
+    if path.suffix == ".gguf" or model == "smollm2-135m":
+        raise fail(f"--model {model}: GGUF models are not served by this build yet; pass a checkpoint directory")
+    raise fail(f"--model {model}: no such checkpoint directory")
+
+
+def parse_prompt_ids(text: str) -> list[int]:
+    try:
+        ids = [int(tok) for tok in text.replace(",", " ").split()]
+    except ValueError:
+        raise fail(f"--prompt-ids '{text}': expected integers separated by spaces") from None
+    if not ids:
+        raise fail("--prompt-ids is empty")
+    return ids
+
+
+def load_engine(model_dir: Path, settings, start: int | None = None, end: int | None = None):
+    from cascadia.engine.engine import StageEngine
+    from cascadia.model.checkpoint import load_stage
+    from cascadia.model.config import load_shape
+
+    shape = load_shape(model_dir)
+    start = 0 if start is None else start
+    end = shape.num_layers if end is None else end
+    with progress_bar() as bar:
+        task = bar.add_task("reading weights", total=None)
+        weights = load_stage(model_dir, start, end)
+        bar.update(task, description="compiling", total=end - start + int(start == 0) + int(end == shape.num_layers))
+
+        def tick(what: str, done: int, total: int) -> None:
+            bar.update(task, description=f"compiling {what}", completed=done, total=total)
+
+        return StageEngine(weights, settings, progress=tick)
+
+
+@app.command()
+def generate(
+    model: Annotated[str, typer.Option(help="Checkpoint directory.")],
+    prompt: Annotated[str | None, typer.Option(help="Prompt text (tokenised, BOS prepended).")] = None,
+    prompt_ids: Annotated[str | None, typer.Option(help='Prompt token ids used as given, e.g. "1 2 3".')] = None,
+    max_tokens: Annotated[int, typer.Option(min=1)] = 16,
+    temperature: Annotated[float, typer.Option(min=0.0)] = 0.0,
+    seed: Annotated[int | None, typer.Option()] = None,
+    precision: Annotated[str, typer.Option(help="f32, bf16, f16, int8 or int4")] = "f32",
+    device: Annotated[str, typer.Option(help="OpenVINO device: CPU here, GPU on the fleet.")] = "CPU",
+    context: Annotated[int | None, typer.Option(help="Global-layer positions per stream.")] = None,
+    shards: Annotated[int, typer.Option(min=1, help="Shard processes to run the model across.")] = 1,
+    speculation: Annotated[str, typer.Option(help="on or off")] = "off",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON line.")] = False,
+) -> None:
+    """Generate a continuation of a prompt (greedy unless a temperature is given)."""
+    from cascadia.engine.generate import generate as run
+    from cascadia.engine.sampling import SamplingParams
+    from cascadia.engine.settings import PRECISION_PRESETS, preset
+
+    if (prompt is None) == (prompt_ids is None):
+        raise fail("give exactly one of --prompt and --prompt-ids")
+    if precision not in PRECISION_PRESETS:
+        raise fail(f"--precision '{precision}' is not one of {', '.join(PRECISION_PRESETS)}")
+    if speculation not in ("on", "off"):
+        raise fail(f"--speculation '{speculation}' is not one of on, off")
+    if speculation == "on":
+        raise fail("--speculation on: speculative decoding is not available in this build")
+    if shards != 1:
+        raise fail(f"--shards {shards}: multi-shard fleets are not available in this build; use --shards 1")
+    model_dir = resolve_model(model)
+    tokenizer = _tokenizer(model_dir)
+    from cascadia.model.config import ConfigError, load_shape
+
+    try:
+        shape = load_shape(model_dir)
+    except ConfigError as exc:
+        raise fail(str(exc)) from None
+    if prompt_ids is not None:
+        ids = parse_prompt_ids(prompt_ids)
+    else:
+        if tokenizer is None:
+            raise fail(f"--prompt needs {model_dir}/tokenizer.json; use --prompt-ids instead")
+        ids = ([shape.bos_token_id] if shape.bos_token_id is not None else []) + tokenizer.encode(prompt).ids
+    bad = [i for i in ids if not 0 <= i < shape.unpadded_vocab_size]
+    if bad:
+        raise fail(f"--prompt-ids: {bad[0]} is outside the vocabulary [0, {shape.unpadded_vocab_size})")
+    try:
+        overrides = {"context": context} if context else {}
+        settings = preset(precision, device=device, **overrides)
+        params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    if len(ids) + max_tokens > settings.context and any(a.kind == "global" for a in shape.attention):
+        raise fail(
+            f"prompt of {len(ids)} tokens + {max_tokens} new tokens exceeds --context {settings.context}"
+        )
+    engine = load_engine(model_dir, settings)
+    result = run(engine, ids, params)
+    text = tokenizer.decode(result.token_ids) if tokenizer is not None else ""
+    if as_json:
+        line = {
+            "token_ids": result.token_ids,
+            "text": text,
+            "ttft_s": round(result.ttft_s, 6),
+            "decode_tokens_per_s": round(result.decode_tokens_per_s, 3),
+        }
+        sys.stdout.write(json.dumps(line) + "\n")
+    else:
+        sys.stdout.write(text + "\n")
+        err.print(
+            f"{len(result.token_ids)} tokens, first after {result.ttft_s:.3f} s, "
+            f"{result.decode_tokens_per_s:.1f} tok/s decode"
+        )
+
+
+def _tokenizer(model_dir: Path):
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))
+
+
+@bench_app.command("engine")
+def bench_engine(
+    model: Annotated[Path | None, typer.Option(help="Checkpoint directory (default: write the mini preset).")] = None,
+    out: Annotated[Path, typer.Option(help="Directory for JSON and PNG results.")] = Path("bench-out"),
+    streams: Annotated[str, typer.Option(help="Stream counts, comma separated.")] = "1,8,32",
+    precisions: Annotated[str, typer.Option(help="Precision modes, comma separated.")] = "f32,bf16,int8,int4",
+    steps: Annotated[int, typer.Option(min=2, help="Decode steps per measurement.")] = 16,
+    repeats: Annotated[int, typer.Option(min=1, help="Measurements per point (median reported).")] = 3,
+    oracle: Annotated[bool, typer.Option(help="Also time transformers on the same checkpoint.")] = True,
+    threads: Annotated[int, typer.Option(help="Threads for both engines (0: all cores).")] = 0,
+) -> None:
+    """Decode and prefill throughput of the engine against transformers and the bandwidth floor."""
+    from cascadia.bench.engine import EngineBenchConfig, run_engine_bench
+
+    counts = [int(s) for s in streams.split(",") if s]
+    config = EngineBenchConfig(
+        model=model,
+        out=out,
+        streams=tuple(counts),
+        precisions=tuple(p for p in precisions.split(",") if p),
+        steps=steps,
+        repeats=repeats,
+        oracle=oracle,
+        threads=threads,
+    )
+    summary = run_engine_bench(config, err)
+    sys.stdout.write(json.dumps(summary, indent=2) + "\n")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""Shared fixtures: synthetic checkpoints and the transformers oracle."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cascadia.model.synthetic import SyntheticSpec, write_checkpoint
+
+# Tiny configs chosen to hit every branch: ring wrap-around (window and rel_extent far below the
+# test lengths), log scaling, shared experts, dense and MoE layers, sliding and global layers with
+# different head counts and head sizes, grouped and ungrouped attention.
+TINY_VARIANTS: dict[str, dict] = {
+    "tiny": {},
+    "tiny-alt": {
+        "num_hidden_layers": 4,
+        "local_layer_ids": [1, 2],
+        "dense_mlp_idx": 2,
+        "sliding_window_size": 5,
+        "rel_extent": 7,
+        "log_scaling_n_floor": 2,
+        "n_routed_experts": 6,
+        "num_experts_per_tok": 3,
+        "n_shared_experts": 1,
+        "swa_num_attention_heads": 4,
+        "swa_num_key_value_heads": 4,
+        "swa_head_dim": 16,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+    },
+}
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("checkpoints")
+    out = {}
+    for seed, (name, overrides) in enumerate(TINY_VARIANTS.items()):
+        spec = SyntheticSpec(preset="tiny", seed=seed, overrides=tuple(overrides.items()))
+        out[name] = write_checkpoint(root / name, spec)
+        out[name + "-published"] = write_checkpoint(
+            root / (name + "-published"),
+            SyntheticSpec(preset="tiny", seed=seed, layout="published", overrides=tuple(overrides.items())),
+        )
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny(checkpoints: dict[str, Path]) -> Path:
+    return checkpoints["tiny"]

@@ -1,0 +1,112 @@
+"""The engine against the transformers oracle, on tiny configs that exercise every branch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cascadia.engine.batch import Segment
+from cascadia.engine.engine import StageEngine
+from cascadia.engine.generate import generate
+from cascadia.engine.sampling import SamplingParams
+from cascadia.engine.settings import EngineSettings, preset
+from cascadia.model.checkpoint import load_stage
+from cascadia.model.config import load_shape
+from tests.oracle import dequantised_oracle, greedy, layer_outputs, load_oracle, relative_rms
+
+PROMPTS = {
+    "short": [1, 17, 250, 3, 99, 480, 12, 7, 300, 45, 45, 46],
+    "long": [1, *range(20, 70)],
+}
+
+
+def whole_model(path, settings=None):
+    shape = load_shape(path)
+    return StageEngine(load_stage(path, 0, shape.num_layers), settings or EngineSettings())
+
+
+def run_prompt(engine: StageEngine, ids: list[int]) -> tuple[list[np.ndarray], np.ndarray]:
+    trace: list[np.ndarray] = []
+    engine.open("s")
+    result = engine.step([Segment("s", 0, len(ids))], np.array(ids), trace=trace)
+    engine.close("s")
+    return trace, result.logits
+
+
+@pytest.mark.parametrize("variant", ["tiny", "tiny-alt"])
+@pytest.mark.parametrize("prompt", list(PROMPTS))
+def test_every_layer_matches_the_oracle_in_f32(checkpoints, variant, prompt):
+    path = checkpoints[variant]
+    ids = PROMPTS[prompt]
+    ref_layers, ref_logits = layer_outputs(load_oracle(path), ids)
+    ours_layers, ours_logits = run_prompt(whole_model(path), ids)
+    assert len(ours_layers) == len(ref_layers)
+    for i, (ours, ref) in enumerate(zip(ours_layers, ref_layers, strict=True)):
+        assert relative_rms(ours, ref) <= 1e-4, f"layer {i}"
+    assert relative_rms(ours_logits, ref_logits) <= 1e-4
+    assert (ours_logits.argmax(-1) == ref_logits.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("variant", ["tiny", "tiny-alt"])
+def test_greedy_ids_match_transformers_generate(checkpoints, variant):
+    path = checkpoints[variant]
+    oracle = load_oracle(path)
+    engine = whole_model(path)
+    for ids in PROMPTS.values():
+        expected = greedy(oracle, ids, 40)
+        got = generate(engine, ids, SamplingParams(max_tokens=40), prefill_window=8).token_ids
+        assert got == expected
+
+
+@pytest.mark.parametrize("mode", ["bf16", "f16", "int8", "int4"])
+def test_low_precision_layers_stay_within_one_percent_of_the_dequantised_oracle(tiny, mode):
+    """Each layer, fed the oracle's input rows, against the oracle run on the dequantised weights."""
+    settings = preset(mode)
+    shape = load_shape(tiny)
+    oracle = load_oracle(tiny)
+    dequantised_oracle(oracle, load_stage(tiny, 0, shape.num_layers), settings)
+    ids = PROMPTS["long"]
+    ref_layers, ref_logits = layer_outputs(oracle, ids)
+    for i in range(shape.num_layers):
+        engine = StageEngine(load_stage(tiny, i, i + 1), settings)
+        engine.open("s")
+        trace: list[np.ndarray] = []
+        inputs = np.array(ids) if i == 0 else ref_layers[i - 1]
+        result = engine.step([Segment("s", 0, len(ids))], inputs, trace=trace)
+        assert relative_rms(trace[0], ref_layers[i]) <= 0.01, f"layer {i}"
+    assert relative_rms(result.logits, ref_logits) <= 0.01
+
+
+@pytest.mark.parametrize("mode", ["f16", "int8", "int4"])
+def test_weight_only_quantisation_is_exact_end_to_end_on_the_cpu(tiny, mode):
+    """With f32 arithmetic, compressed weights give the dequantised oracle's logits and greedy ids."""
+    settings = preset(mode)
+    weights = load_stage(tiny, 0, load_shape(tiny).num_layers)
+    oracle = load_oracle(tiny)
+    dequantised_oracle(oracle, weights, settings)
+    ids = PROMPTS["long"]
+    _, ref_logits = layer_outputs(oracle, ids)
+    _, ours_logits = run_prompt(StageEngine(weights, settings), ids)
+    assert relative_rms(ours_logits, ref_logits) <= 1e-3
+    assert (ours_logits.argmax(-1) == ref_logits.argmax(-1)).all()
+
+
+def test_split_expert_graph_with_power_of_two_rescaling_tracks_the_fused_path(tiny):
+    """Experts in a compiled model of their own (as for f16 on the iGPU) give the fused path's result."""
+    ids = PROMPTS["long"]
+    settings = EngineSettings(expert_compute="bf16")
+    assert settings.split_expert_graph
+    fused_layers, fused_logits = run_prompt(whole_model(tiny), ids)
+    split_layers, split_logits = run_prompt(whole_model(tiny, settings), ids)
+    assert relative_rms(split_layers[0], fused_layers[0]) <= 0.01
+    assert relative_rms(split_logits, fused_logits) <= 0.05
+
+
+def test_both_checkpoint_layouts_give_identical_outputs(checkpoints):
+    ids = PROMPTS["long"]
+    for variant in ("tiny", "tiny-alt"):
+        hf_layers, hf_logits = run_prompt(whole_model(checkpoints[variant]), ids)
+        pub_layers, pub_logits = run_prompt(whole_model(checkpoints[variant + "-published"]), ids)
+        for a, b in zip(hf_layers, pub_layers, strict=True):
+            np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(hf_logits, pub_logits)
