@@ -16,7 +16,7 @@ model_app = typer.Typer(no_args_is_help=True, help="Model files: synthetic check
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that write JSON and PNG.")
 app.add_typer(model_app, name="model")
 app.add_typer(bench_app, name="bench")
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)
 
 
 def fail(message: str) -> typer.Exit:
@@ -150,9 +150,7 @@ def generate(
     except ValueError as exc:
         raise fail(str(exc)) from None
     if len(ids) + max_tokens > settings.context and any(a.kind == "global" for a in shape.attention):
-        raise fail(
-            f"prompt of {len(ids)} tokens + {max_tokens} new tokens exceeds --context {settings.context}"
-        )
+        raise fail(f"prompt of {len(ids)} tokens + {max_tokens} new tokens exceeds --context {settings.context}")
     engine = load_engine(model_dir, settings)
     result = run(engine, ids, params)
     text = tokenizer.decode(result.token_ids) if tokenizer is not None else ""

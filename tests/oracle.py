@@ -6,11 +6,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import InklingForCausalLM
-
 from cascadia.engine.settings import EngineSettings
 from cascadia.engine.weights import dequantize, quantize
 from cascadia.model.checkpoint import StageWeights
+from transformers import InklingForCausalLM
 
 
 def load_oracle(model_dir: Path) -> InklingForCausalLM:
@@ -36,9 +35,7 @@ def layer_outputs(model: InklingForCausalLM, ids: list[int]) -> tuple[list[np.nd
 
 def greedy(model: InklingForCausalLM, ids: list[int], new_tokens: int) -> list[int]:
     with torch.no_grad():
-        out = model.generate(
-            torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens
-        )
+        out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens)
     return out[0, len(ids) :].tolist()
 
 

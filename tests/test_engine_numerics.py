@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.generate import generate
@@ -12,6 +11,7 @@ from cascadia.engine.sampling import SamplingParams
 from cascadia.engine.settings import EngineSettings, preset
 from cascadia.model.checkpoint import load_stage
 from cascadia.model.config import load_shape
+
 from tests.oracle import dequantised_oracle, greedy, layer_outputs, load_oracle, relative_rms
 
 PROMPTS = {

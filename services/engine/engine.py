@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import openvino as ov
-
 from cascadia.engine import graphs
 from cascadia.engine.batch import Segment, StepPlan, plan_step
 from cascadia.engine.settings import EngineSettings
@@ -86,12 +85,21 @@ class _Layer:
             return out
         expert_out = _infer(
             self.expert_request,
-            {"mlp_input": out["mlp_input"], "expert_index": out["expert_index"], "expert_weight": out["expert_weight"]},
+            {
+                "mlp_input": out["mlp_input"],
+                "expert_index": out["expert_index"],
+                "expert_weight": out["expert_weight"],
+            },
         )["expert_out"]
         out.update(
             _infer(
                 self.post_request,
-                {"expert_out": expert_out, "residual": out["residual"], "conv_hist_m": hist_m, "conv_index": conv_index},
+                {
+                    "expert_out": expert_out,
+                    "residual": out["residual"],
+                    "conv_hist_m": hist_m,
+                    "conv_index": conv_index,
+                },
             )
         )
         return out
@@ -100,18 +108,14 @@ class _Layer:
 def _infer(request: ov.InferRequest, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     request.infer(inputs, share_inputs=True)
     return {
-        name: request.get_tensor(name).data.copy()
-        for out in request.model_outputs
-        for name in [out.get_any_name()]
+        name: request.get_tensor(name).data.copy() for out in request.model_outputs for name in [out.get_any_name()]
     }
 
 
 class StageEngine:
     """Layers [start, end) of one checkpoint; the first stage also embeds, the last also runs the head."""
 
-    def __init__(
-        self, weights: StageWeights, settings: EngineSettings, progress: Progress | None = None
-    ) -> None:
+    def __init__(self, weights: StageWeights, settings: EngineSettings, progress: Progress | None = None) -> None:
         self.shape = weights.shape
         self.settings = settings
         self.start_layer, self.end_layer = weights.start_layer, weights.end_layer
@@ -130,7 +134,9 @@ class StageEngine:
         self._embed = self._head = None
         residual_cfg = _compile_config(settings, settings.residual_compute)
         if self.is_first:
-            model = graphs.embed_graph(weights.embed, weights.embed_norm, self.shape.rms_norm_eps, settings.head_weights)
+            model = graphs.embed_graph(
+                weights.embed, weights.embed_norm, self.shape.rms_norm_eps, settings.head_weights
+            )
             self._embed = core.compile_model(model, settings.device, residual_cfg).create_infer_request()
             tick("embedding")
         self._layers: list[_Layer] = []

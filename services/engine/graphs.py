@@ -14,7 +14,6 @@ from __future__ import annotations
 import numpy as np
 import openvino as ov
 import openvino.opset16 as ops
-
 from cascadia.engine.weights import WeightFormat, weight_node
 from cascadia.model.checkpoint import LayerWeights
 from cascadia.model.config import InklingShape
@@ -104,7 +103,8 @@ def attention_graph(
     keys_new = ops.reshape(short_conv(k_in, hist_k, conv_index, w.k_conv), _i64(-1, a.num_kv_heads, d), False)
     keys_new = _named(rms_norm(keys_new, w.k_norm, eps), "new_k")  # [T, Hkv, D]
     values_new = _named(
-        ops.reshape(short_conv(v_in, hist_v, conv_index, w.v_conv), _i64(-1, a.num_kv_heads, d), False), "new_v"
+        ops.reshape(short_conv(v_in, hist_v, conv_index, w.v_conv), _i64(-1, a.num_kv_heads, d), False),
+        "new_v",
     )
 
     # each row sees its stream's cached keys, then its stream's rows of this step
@@ -122,7 +122,11 @@ def attention_graph(
     clamped = ops.clamp(key_distance, 0, a.rel_extent - 1)
     distance_shape = ops.shape_of(clamped, "i64")
     heads_shape = ops.concat(
-        [ops.gather(distance_shape, _i64(0), _i64(0)), _i64(a.num_heads), ops.gather(distance_shape, _i64(1), _i64(0))],
+        [
+            ops.gather(distance_shape, _i64(0), _i64(0)),
+            _i64(a.num_heads),
+            ops.gather(distance_shape, _i64(1), _i64(0)),
+        ],
         0,
     )
     gather_index = ops.broadcast(ops.unsqueeze(clamped, _i64(1)), heads_shape)  # [T, Hq, L]
@@ -261,7 +265,9 @@ def post_graph(shape: InklingShape, layer: LayerWeights, out_scale: float) -> ov
     mixed = _named(ops.multiply(expert_out, _f32(1.0 / out_scale)), "m_conv_in")
     out = _named(ops.add(residual, short_conv(mixed, hist_m, conv_index, layer.mlp_conv)), "hidden_out")
     return ov.Model(
-        [ops.result(mixed), ops.result(out)], [expert_out, residual, hist_m, conv_index], f"layer{layer.index}_post"
+        [ops.result(mixed), ops.result(out)],
+        [expert_out, residual, hist_m, conv_index],
+        f"layer{layer.index}_post",
     )
 
 

@@ -37,9 +37,7 @@ class EngineSettings:
                 raise ValueError(f"{name} '{getattr(self, name)}' is not one of {', '.join(WEIGHT_FORMATS)}")
         for name in ("expert_compute", "residual_compute"):
             if getattr(self, name) not in COMPUTE_PRECISIONS:
-                raise ValueError(
-                    f"{name} '{getattr(self, name)}' is not one of {', '.join(COMPUTE_PRECISIONS)}"
-                )
+                raise ValueError(f"{name} '{getattr(self, name)}' is not one of {', '.join(COMPUTE_PRECISIONS)}")
         if not 1 <= self.context <= MAX_CONTEXT:
             raise ValueError(f"context {self.context} must be between 1 and {MAX_CONTEXT} positions")
         if self.rewind_slack < 0:
@@ -65,13 +63,25 @@ def preset(name: str, device: str = "CPU", **overrides: object) -> EngineSetting
         "f32": EngineSettings(device=device),
         "bf16": EngineSettings(device=device, expert_compute="bf16"),
         "f16": EngineSettings(
-            device=device, expert_weights="f16", attention_weights="f16", head_weights="f16", expert_compute=low
+            device=device,
+            expert_weights="f16",
+            attention_weights="f16",
+            head_weights="f16",
+            expert_compute=low,
         ),
         "int8": EngineSettings(
-            device=device, expert_weights="int8", attention_weights="int8", head_weights="int8", expert_compute=low
+            device=device,
+            expert_weights="int8",
+            attention_weights="int8",
+            head_weights="int8",
+            expert_compute=low,
         ),
         "int4": EngineSettings(
-            device=device, expert_weights="int4", attention_weights="int8", head_weights="int8", expert_compute=low
+            device=device,
+            expert_weights="int4",
+            attention_weights="int8",
+            head_weights="int8",
+            expert_compute=low,
         ),
     }
     return replace(table[name], **overrides)  # type: ignore[arg-type]

@@ -112,7 +112,5 @@ class StreamState:
         if not 0 <= position <= self.position:
             raise ValueError(f"cannot rewind to position {position}: the stream is at {self.position}")
         if self.position - position > self.slack:
-            raise ValueError(
-                f"cannot rewind {self.position - position} positions: the rewind slack is {self.slack}"
-            )
+            raise ValueError(f"cannot rewind {self.position - position} positions: the rewind slack is {self.slack}")
         self.position = position

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from safetensors import safe_open
-
 from cascadia.model.config import InklingShape, load_shape
+from safetensors import safe_open
 
 
 class CheckpointError(ValueError):
@@ -116,7 +115,7 @@ class TensorSource:
             handle = stack.enter_context(safe_open(str(path), framework="numpy"))
             self._files[name] = handle
             if weight_map is None:
-                for key in handle.keys():
+                for key in handle:
                     self._where[key] = name
         if weight_map is not None:
             self._where = dict(weight_map)
@@ -176,9 +175,7 @@ def _read_layer(source: TensorSource, shape: InklingShape, i: int) -> LayerWeigh
     if shape.is_dense(i):
         width = shape.intermediate_size
         if width % DENSE_SLICES:
-            raise CheckpointError(
-                f"layer {i}: dense width {width} is not divisible into {DENSE_SLICES} expert slices"
-            )
+            raise CheckpointError(f"layer {i}: dense width {width} is not divisible into {DENSE_SLICES} expert slices")
         if published:
             gate, up = _deinterleave(source.get(m + "w13_dn.weight", (2 * width, h)), axis=0)
             down = source.get(m + "w2_md.weight", (h, width))
@@ -226,9 +223,7 @@ def load_stage(model_dir: Path, start_layer: int, end_layer: int) -> StageWeight
     """Read layers [start_layer, end_layer), plus the embedding on the first stage and the head on the last."""
     shape = load_shape(model_dir)
     if not 0 <= start_layer < end_layer <= shape.num_layers:
-        raise CheckpointError(
-            f"layer range {start_layer}:{end_layer} is not inside the model's 0:{shape.num_layers}"
-        )
+        raise CheckpointError(f"layer range {start_layer}:{end_layer} is not inside the model's 0:{shape.num_layers}")
     h, v = shape.hidden_size, shape.vocab_size
     published = shape.layout == "published"
     with ExitStack() as stack:

@@ -145,17 +145,13 @@ def shape_from_config(raw: dict[str, Any]) -> InklingShape:
         local_ids = set(local) if local is not None else {i for i in range(num_layers) if (i + 1) % 6}
         layer_types = ["hybrid_sliding" if i in local_ids else "hybrid" for i in range(num_layers)]
     if len(layer_types) != num_layers:
-        raise ConfigError(
-            f"config.json: 'layer_types' has {len(layer_types)} entries for {num_layers} layers"
-        )
+        raise ConfigError(f"config.json: 'layer_types' has {len(layer_types)} entries for {num_layers} layers")
     mlp_types = cfg.get("mlp_layer_types")
     if mlp_types is None:
         dense_idx = cfg.get("dense_mlp_idx", 0)
         mlp_types = ["dense" if i < dense_idx else "sparse" for i in range(num_layers)]
     if len(mlp_types) != num_layers:
-        raise ConfigError(
-            f"config.json: 'mlp_layer_types' has {len(mlp_types)} entries for {num_layers} layers"
-        )
+        raise ConfigError(f"config.json: 'mlp_layer_types' has {len(mlp_types)} entries for {num_layers} layers")
 
     hidden_act = cfg.get("hidden_act", "silu")
     if hidden_act != "silu":
@@ -196,9 +192,7 @@ def shape_from_config(raw: dict[str, Any]) -> InklingShape:
             raise ConfigError(f"config.json: layer_types[{i}] = '{kind}' is not supported")
         a = attention[-1]
         if a.num_heads % a.num_kv_heads:
-            raise ConfigError(
-                f"config.json: layer {i}: {a.num_heads} heads not divisible by {a.num_kv_heads} kv heads"
-            )
+            raise ConfigError(f"config.json: layer {i}: {a.num_heads} heads not divisible by {a.num_kv_heads} kv heads")
     for i, kind in enumerate(mlp_types):
         if kind not in ("dense", "sparse"):
             raise ConfigError(f"config.json: mlp_layer_types[{i}] = '{kind}' is not supported")

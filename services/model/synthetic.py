@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from safetensors.numpy import save_file
-
 from cascadia.model.config import shape_from_config
+from safetensors.numpy import save_file
 
 Layout = Literal["inkling_text", "published"]
 
@@ -178,7 +177,13 @@ def to_published(cfg: dict[str, Any], tensors: dict[str, np.ndarray]) -> tuple[d
         "model.llm.norm.weight": tensors["model.norm.weight"],
         "model.llm.unembed.weight": tensors["lm_head.weight"],
     }
-    attn_names = {"q_proj": "wq_du", "k_proj": "wk_dv", "v_proj": "wv_dv", "r_proj": "wr_du", "o_proj": "wo_ud"}
+    attn_names = {
+        "q_proj": "wq_du",
+        "k_proj": "wk_dv",
+        "v_proj": "wv_dv",
+        "r_proj": "wr_du",
+        "o_proj": "wo_ud",
+    }
     for i in range(shape.num_layers):
         s, p = f"model.layers.{i}.", f"model.llm.layers.{i}."
         out[p + "attn_norm.weight"] = tensors[s + "input_layernorm.weight"]
@@ -240,7 +245,11 @@ def byte_level_tokenizer(vocab_rows: int) -> dict[str, Any]:
 
 def _byte_of(ch: str) -> int:
     """Inverse of GPT-2's bytes-to-unicode table, to order the alphabet by byte value."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     table = {chr(b): b for b in printable}
     extra = 0
     for b in range(256):

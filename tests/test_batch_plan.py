@@ -1,0 +1,57 @@
+"""The pure step planner, from hand-made segments."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from cascadia.engine.batch import Segment, plan_step
+
+
+def test_rows_are_laid_out_segment_after_segment():
+    plan = plan_step([Segment("a", 5, 1), Segment("b", 0, 3)], kernel=4, windows=[None])
+    assert plan.row_stream.tolist() == [0, 1, 1, 1]
+    assert plan.row_position.tolist() == [5, 0, 1, 2]
+    assert plan.row_offset.tolist() == [0, 1]
+
+
+def test_conv_taps_read_history_then_rows_of_the_same_step():
+    plan = plan_step([Segment("a", 5, 1), Segment("b", 0, 3)], kernel=3, windows=[None])
+    history = 2 * 2  # two streams, K - 1 = 2 rows each
+    # stream a, one decode row: its two history rows, then itself
+    assert plan.conv_index[0].tolist() == [0, 1, history + 0]
+    # stream b's third row: both taps before it are rows of this step
+    assert plan.conv_index[3].tolist() == [history + 1, history + 2, history + 3]
+    # stream b's first row: its history (zeros for a fresh stream), then itself
+    assert plan.conv_index[1].tolist() == [2, 3, history + 1]
+
+
+def test_sliding_keys_stop_at_the_window_and_global_keys_do_not():
+    plan = plan_step([Segment("a", 10, 2)], kernel=4, windows=[4, None])
+    sliding, full = plan.keys[4], plan.keys[None]
+    assert sliding.past_positions.tolist() == [[7, 8, 9]]
+    assert full.past_positions.tolist() == [list(range(10))]
+    visible = np.isfinite(sliding.key_mask)
+    # row at position 10 sees 7, 8, 9 and itself; row 11 sees 8, 9, 10, 11
+    assert visible.tolist() == [[True, True, True, True, False], [False, True, True, True, True]]
+    assert sliding.key_distance[1].tolist() == [4, 3, 2, 1, 0]
+    assert np.isfinite(full.key_mask).sum(axis=1).tolist() == [11, 12]
+
+
+def test_padding_slots_are_masked():
+    plan = plan_step([Segment("a", 0, 1), Segment("b", 3, 1)], kernel=2, windows=[None])
+    keys = plan.keys[None]
+    assert keys.past_positions.tolist() == [[-1, -1, -1], [0, 1, 2]]
+    assert np.isfinite(keys.key_mask).tolist() == [[False, False, False, True], [True, True, True, True]]
+
+
+@pytest.mark.parametrize(
+    ("segments", "message"),
+    [
+        ([], "at least one segment"),
+        ([Segment("a", 0, 0)], "is empty"),
+        ([Segment("a", 0, 1), Segment("a", 1, 1)], "appears twice"),
+    ],
+)
+def test_bad_steps_are_refused(segments, message):
+    with pytest.raises(ValueError, match=message):
+        plan_step(segments, kernel=4, windows=[None])

@@ -1,0 +1,80 @@
+"""The command-line contract, through real subprocesses."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.oracle import greedy, load_oracle
+
+
+def cascadia(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cascadia.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_model_tiny_writes_a_checkpoint_transformers_loads(tmp_path):
+    out = tmp_path / "m"
+    done = cascadia("model", "tiny", str(out), "--seed", "7")
+    assert done.returncode == 0, done.stderr
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    assert load_oracle(out).config.num_hidden_layers == 5
+
+
+def test_generate_json_line_matches_the_oracle(tiny):
+    ids = [1, 40, 41, 42, 300, 7]
+    done = cascadia(
+        "generate",
+        "--model",
+        str(tiny),
+        "--prompt-ids",
+        " ".join(map(str, ids)),
+        "--max-tokens",
+        "12",
+        "--json",
+    )
+    assert done.returncode == 0, done.stderr
+    line = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(line) == {"token_ids", "text", "ttft_s", "decode_tokens_per_s"}
+    assert line["token_ids"] == greedy(load_oracle(tiny), ids, 12)
+    assert line["ttft_s"] > 0 and line["decode_tokens_per_s"] > 0
+
+
+def test_generate_with_text_prompt_and_quantised_weights(tiny):
+    done = cascadia(
+        "generate",
+        "--model",
+        str(tiny),
+        "--prompt",
+        "hello",
+        "--max-tokens",
+        "4",
+        "--precision",
+        "int4",
+        "--json",
+    )
+    assert done.returncode == 0, done.stderr
+    assert len(json.loads(done.stdout)["token_ids"]) == 4
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prompt-ids", "1 x"], "--prompt-ids '1 x'"),
+        (["--prompt-ids", "1 99999"], "99999 is outside the vocabulary"),
+        (["--prompt-ids", "1", "--precision", "f8"], "--precision 'f8'"),
+        (["--prompt-ids", "1", "--context", "4", "--max-tokens", "8"], "exceeds --context 4"),
+        (["--prompt", "a", "--prompt-ids", "1"], "exactly one of"),
+    ],
+)
+def test_generate_names_the_bad_value(tiny, args, message):
+    done = cascadia("generate", "--model", str(tiny), *args)
+    assert done.returncode == 2
+    assert message in done.stderr.replace("\n", " ")
+
+
+def test_unknown_model_path_is_named(tmp_path):
+    done = cascadia("generate", "--model", str(tmp_path / "none"), "--prompt-ids", "1")
+    assert done.returncode == 2 and "no such checkpoint directory" in done.stderr

@@ -1,0 +1,144 @@
+"""Stream state: windows, rewinds, batching across streams, budgets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from cascadia.engine.batch import Segment
+from cascadia.engine.engine import StageEngine, StreamError
+from cascadia.engine.settings import EngineSettings
+from cascadia.engine.state import BudgetExceeded
+from cascadia.model.checkpoint import load_stage
+from cascadia.model.config import load_shape
+
+IDS = np.array([1, *range(30, 90)])
+
+
+@pytest.fixture(scope="module")
+def engine(tiny) -> StageEngine:
+    return StageEngine(load_stage(tiny, 0, load_shape(tiny).num_layers), EngineSettings(context=256))
+
+
+def feed(engine: StageEngine, stream: str, ids: np.ndarray, window: int, start: int = 0) -> np.ndarray:
+    logits = []
+    position = start
+    while position < start + len(ids):
+        n = min(window, start + len(ids) - position)
+        chunk = ids[position - start : position - start + n]
+        logits.append(engine.step([Segment(stream, position, n)], chunk).logits)
+        position += n
+    return np.concatenate(logits)
+
+
+def test_prefill_windows_equal_token_by_token_decode(engine):
+    results = {}
+    for window in (1, 3, 8, len(IDS)):
+        engine.open(f"w{window}")
+        results[window] = feed(engine, f"w{window}", IDS, window)
+        engine.close(f"w{window}")
+    for window, logits in results.items():
+        np.testing.assert_allclose(
+            logits, results[1], rtol=0, atol=2e-5 * np.abs(results[1]).max(), err_msg=str(window)
+        )
+
+
+def test_rewind_then_redecode_reproduces_the_state(engine):
+    engine.open("r")
+    first = feed(engine, "r", IDS, 8)
+    engine.rewind("r", 40)
+    assert engine.position("r") == 40
+    again = feed(engine, "r", IDS[40:], 1, start=40)
+    np.testing.assert_allclose(again, first[40:], rtol=0, atol=2e-5 * np.abs(first).max())
+    # a different continuation after the rewind, then back: still exact
+    engine.rewind("r", 50)
+    feed(engine, "r", np.array([7, 8, 9]), 3, start=50)
+    engine.rewind("r", 50)
+    tail = feed(engine, "r", IDS[50:], 2, start=50)
+    np.testing.assert_allclose(tail, first[50:], rtol=0, atol=2e-5 * np.abs(first).max())
+    engine.close("r")
+
+
+def test_rewind_beyond_the_slack_is_refused_without_changing_state(engine):
+    engine.open("far")
+    feed(engine, "far", IDS, 16)
+    with pytest.raises(ValueError, match="rewind slack"):
+        engine.rewind("far", 0)
+    assert engine.position("far") == len(IDS)
+    engine.close("far")
+
+
+def test_a_batch_of_streams_at_different_positions_equals_each_stream_alone(engine):
+    alone = {}
+    for name, ids in (("a", IDS[:20]), ("b", IDS[5:50]), ("c", IDS[::-1][:33])):
+        engine.open(name)
+        alone[name] = (ids, feed(engine, name, ids, len(ids)))
+        engine.close(name)
+    for name in alone:
+        engine.open(name)
+    positions = dict.fromkeys(alone, 0)
+    got: dict[str, list[np.ndarray]] = {name: [] for name in alone}
+    windows = {"a": 1, "b": 8, "c": 3}  # decode rows and prefill windows mixed in one call
+    while any(positions[n] < len(alone[n][0]) for n in alone):
+        segments, inputs = [], []
+        for name, (ids, _) in alone.items():
+            if positions[name] < len(ids):
+                n = min(windows[name], len(ids) - positions[name])
+                segments.append(Segment(name, positions[name], n))
+                inputs.extend(ids[positions[name] : positions[name] + n])
+        logits = engine.step(segments, np.array(inputs)).logits
+        row = 0
+        for seg in segments:
+            got[seg.stream].append(logits[row : row + seg.length])
+            row += seg.length
+            positions[seg.stream] += seg.length
+    for name, (_, expected) in alone.items():
+        np.testing.assert_allclose(np.concatenate(got[name]), expected, rtol=0, atol=2e-5 * np.abs(expected).max())
+        engine.close(name)
+
+
+def test_context_budget_is_a_clear_error_and_leaves_the_stream_usable(tiny):
+    engine = StageEngine(load_stage(tiny, 0, load_shape(tiny).num_layers), EngineSettings(context=32))
+    engine.open("s")
+    feed(engine, "s", IDS[:30], 10)
+    with pytest.raises(BudgetExceeded, match="context budget of 32"):
+        engine.step([Segment("s", 30, 5)], IDS[30:35])
+    assert engine.position("s") == 30
+    engine.step([Segment("s", 30, 2)], IDS[30:32])
+    with pytest.raises(BudgetExceeded):
+        engine.open("big", context=64)
+
+
+def test_stream_errors_name_the_stream(engine):
+    with pytest.raises(StreamError, match="'nope' is not open"):
+        engine.step([Segment("nope", 0, 1)], np.array([1]))
+    engine.open("p")
+    with pytest.raises(StreamError, match="already open"):
+        engine.open("p")
+    with pytest.raises(StreamError, match="starts at 3 but the stream is at 0"):
+        engine.step([Segment("p", 3, 1)], np.array([1]))
+    with pytest.raises(ValueError, match="token ids must lie"):
+        engine.step([Segment("p", 0, 1)], np.array([10_000]))
+    engine.close("p")
+
+
+def test_stream_memory_is_accounted_and_grows_with_global_positions(engine):
+    engine.open("m")
+    empty = engine.stream_bytes("m")
+    feed(engine, "m", np.resize(IDS, 200), 50)
+    assert engine.stream_bytes("m") > empty
+    engine.close("m")
+    assert "m" not in engine.streams
+
+
+def test_middle_stage_takes_hidden_rows_and_checks_their_shape(tiny):
+    first = StageEngine(load_stage(tiny, 0, 2), EngineSettings())
+    last = StageEngine(load_stage(tiny, 2, load_shape(tiny).num_layers), EngineSettings())
+    whole = StageEngine(load_stage(tiny, 0, load_shape(tiny).num_layers), EngineSettings())
+    for e in (first, last, whole):
+        e.open("s")
+    hidden = first.step([Segment("s", 0, 20)], IDS[:20]).hidden
+    assert hidden.shape == (20, 64) and hidden.dtype == np.float32
+    with pytest.raises(ValueError, match="expected hidden rows"):
+        last.step([Segment("s", 0, 20)], hidden[:, :10])
+    split = last.step([Segment("s", 0, 20)], hidden).logits
+    np.testing.assert_allclose(split, whole.step([Segment("s", 0, 20)], IDS[:20]).logits, rtol=0, atol=1e-5)
