@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from cascadia.model.synthetic import SyntheticSpec, write_checkpoint
 
 # Tiny configs chosen to hit every branch: ring wrap-around (window and rel_extent far below the

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import InklingForCausalLM
+
 from cascadia.engine.settings import EngineSettings
 from cascadia.engine.weights import dequantize, quantize
 from cascadia.model.checkpoint import StageWeights
-from transformers import InklingForCausalLM
 
 
 def load_oracle(model_dir: Path) -> InklingForCausalLM:

@@ -7,10 +7,11 @@ import shutil
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
+
 from cascadia.model.checkpoint import CheckpointError, load_stage
 from cascadia.model.config import ConfigError, load_shape, shape_from_config
 from cascadia.model.synthetic import text_config
-from safetensors.numpy import load_file, save_file
 
 
 def test_published_config_is_read_like_the_transformers_one(checkpoints):

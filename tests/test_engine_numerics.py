@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.generate import generate
@@ -11,7 +12,6 @@ from cascadia.engine.sampling import SamplingParams
 from cascadia.engine.settings import EngineSettings, preset
 from cascadia.model.checkpoint import load_stage
 from cascadia.model.config import load_shape
-
 from tests.oracle import dequantised_oracle, greedy, layer_outputs, load_oracle, relative_rms
 
 PROMPTS = {
@@ -110,3 +110,12 @@ def test_both_checkpoint_layouts_give_identical_outputs(checkpoints):
         for a, b in zip(hf_layers, pub_layers, strict=True):
             np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(hf_logits, pub_logits)
+
+
+@pytest.mark.parametrize("mode", ["f32", "bf16", "int8", "int4"])
+def test_expert_banks_compile_to_fused_gather_matmuls(tiny, mode):
+    """Routed + shared experts (and dense slices) run as OpenVINO's fused MoE kernels, not a Tile over all."""
+    engine = StageEngine(load_stage(tiny, 0, 3), preset(mode))
+    for layer_ops in engine.runtime_ops():
+        assert layer_ops.get("GatherMatmul", 0) == 3, layer_ops
+        assert "Tile" not in layer_ops and "ScatterElementsUpdate" not in layer_ops

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine, StreamError
 from cascadia.engine.settings import EngineSettings

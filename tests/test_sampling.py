@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from cascadia.engine.sampling import SamplingParams, choose, filtered_probabilities
 
 

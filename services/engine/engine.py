@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import openvino as ov
+
 from cascadia.engine import graphs
 from cascadia.engine.batch import Segment, StepPlan, plan_step
 from cascadia.engine.settings import EngineSettings
@@ -150,6 +151,19 @@ class StageEngine:
         self._windows = tuple(layer.attention.window for layer in self._layers)
         self._has_global = any(w is None for w in self._windows)
         self._streams: dict[Hashable, StreamState] = {}
+
+    def runtime_ops(self) -> list[dict[str, int]]:
+        """Per layer, the plugin's executed op types (to check which expert fusion formed)."""
+        counts = []
+        for layer in self._layers:
+            models = [m for m in (layer.attention_model, layer.expert_model) if m is not None]
+            kinds: dict[str, int] = {}
+            for model in models:
+                for op in model.get_runtime_model().get_ops():
+                    kind = op.get_rt_info()["layerType"].astype(str)
+                    kinds[kind] = kinds.get(kind, 0) + 1
+            counts.append(kinds)
+        return counts
 
     # -- stream lifecycle -------------------------------------------------------------------------
 

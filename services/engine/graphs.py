@@ -14,11 +14,19 @@ from __future__ import annotations
 import numpy as np
 import openvino as ov
 import openvino.opset16 as ops
+from openvino.utils.node_factory import NodeFactory
+
 from cascadia.engine.weights import WeightFormat, weight_node
 from cascadia.model.checkpoint import LayerWeights
 from cascadia.model.config import InklingShape
 
 Node = ov.Node
+_OPSET4 = NodeFactory("opset4")
+
+
+def swish(x: Node) -> Node:
+    """Swish with no beta input: `ops.swish` always adds one, and that defeats the MoE fusion match."""
+    return _OPSET4.create("Swish", [x.output(0)], {})
 
 
 def _i64(*values: int) -> Node:
@@ -204,7 +212,7 @@ def _fused_experts(x: Node, index: Node, weight: Node, gate: Node, up: Node, dow
     """
     flat = ops.reshape(x, _i64(-1, h), False)
     tiled = ops.reshape(ops.tile(flat, _i64(n, 1)), _i64(n, -1, h), False)  # [E, T, H]
-    gated = ops.multiply(ops.swish(ops.matmul(tiled, gate, False, True)), ops.matmul(tiled, up, False, True))
+    gated = ops.multiply(swish(ops.matmul(tiled, gate, False, True)), ops.matmul(tiled, up, False, True))
     expert_out = ops.reshape(ops.matmul(gated, down, False, True), _i64(n, 1, -1, h), False)  # [E, 1, T, H]
     rows = ops.gather(ops.shape_of(flat, "i64"), _i64(0), _i64(0))
     dense = ops.broadcast(_f32(0.0), ops.concat([rows, _i64(n)], 0))

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from cascadia.model.config import InklingShape, load_shape
 from safetensors import safe_open
+
+from cascadia.model.config import InklingShape, load_shape
 
 
 class CheckpointError(ValueError):
@@ -115,7 +116,7 @@ class TensorSource:
             handle = stack.enter_context(safe_open(str(path), framework="numpy"))
             self._files[name] = handle
             if weight_map is None:
-                for key in handle:
+                for key in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
                     self._where[key] = name
         if weight_map is not None:
             self._where = dict(weight_map)

@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from cascadia.model.config import shape_from_config
 from safetensors.numpy import save_file
+
+from cascadia.model.config import shape_from_config
 
 Layout = Literal["inkling_text", "published"]
 

@@ -1,0 +1,28 @@
+# The verbs everyone uses. `make setup test` on a fresh machine installs and passes the tests.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+
+.PHONY: setup run test lint bench format
+
+setup:
+	# torch 2.13.0 is the CPU build on this disk; a newer one would pull CUDA wheels
+	$(PIP) install -q "torch==2.13.0"
+	$(PIP) install -q -e ".[test]"
+
+run:
+	$(PYTHON) -m cascadia.cli model tiny models/tiny
+	$(PYTHON) -m cascadia.cli generate --model models/tiny --prompt "Hello" --max-tokens 16 --json
+
+test:
+	$(PYTHON) -m pytest -q
+
+lint:
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+
+format:
+	$(PYTHON) -m ruff format .
+	$(PYTHON) -m ruff check --fix .
+
+bench:
+	$(PYTHON) -m cascadia.cli bench engine --out bench-out/engine
