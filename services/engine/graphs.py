@@ -292,3 +292,24 @@ def head_graph(shape: InklingShape, final_norm: np.ndarray, head: np.ndarray, fm
     x = ops.divide(rms_norm(hidden, final_norm, shape.rms_norm_eps), _f32(shape.logits_mup_width_multiplier))
     logits = linear(x, head[: shape.unpadded_vocab_size], fmt, "head")
     return ov.Model([ops.result(_named(logits, "logits"))], [hidden], "head")
+
+
+def dense_as_experts_graph(shape: InklingShape, layer: LayerWeights) -> ov.Model:
+    """A dense layer's MLP alone, as all-active expert slices (the engine's path), for benchmarks."""
+    x = _param("mlp_input", [-1, shape.hidden_size])
+    index, weight = _routing(shape, layer, x)
+    _, results = _expert_block(shape, layer, x, index, weight, None, None, "f32")
+    return ov.Model([ops.result(n) for n in results], [x], "dense_as_experts")
+
+
+def dense_mlp_graph(shape: InklingShape, layer: LayerWeights) -> ov.Model:
+    """The same MLP as three plain matmuls, the comparison the expert-slice path is measured against."""
+    h = shape.hidden_size
+    x = _param("mlp_input", [-1, h])
+    bank = layer.experts
+    gate = bank.gate.reshape(-1, h)
+    up = bank.up.reshape(-1, h)
+    down = np.ascontiguousarray(bank.down.transpose(1, 0, 2).reshape(h, -1))
+    act = ops.multiply(swish(linear(x, gate, "f32", "gate")), linear(x, up, "f32", "up"))
+    out = ops.multiply(linear(act, down, "f32", "down"), _f32(layer.dense_scale))
+    return ov.Model([ops.result(out)], [x], "dense_mlp")

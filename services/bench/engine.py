@@ -1,0 +1,285 @@
+"""`cascadia bench engine`: decode and prefill throughput against transformers and the bandwidth floor.
+
+Everything is measured in one run on one checkpoint: our engine per precision mode, transformers
+in f32 with the same thread count, and the machine's read bandwidth, so every figure is a ratio.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+
+from cascadia.engine.batch import Segment
+from cascadia.engine.engine import StageEngine
+from cascadia.engine.settings import preset
+from cascadia.engine.weights import stored_bytes
+from cascadia.model.checkpoint import load_stage
+from cascadia.model.config import InklingShape, load_shape
+
+PROMPT_TOKENS = 16
+PREFILL_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class EngineBenchConfig:
+    model: Path | None
+    out: Path
+    streams: tuple[int, ...] = (1, 8, 32)
+    precisions: tuple[str, ...] = ("f32", "bf16", "int8", "int4")
+    steps: int = 16
+    repeats: int = 3
+    oracle: bool = True
+    threads: int = 0
+
+
+def read_bandwidth(gib: float = 2.0, threads: int | None = None, repeats: int = 5) -> float:
+    """Bytes per second a full-machine read of a buffer far larger than the caches achieves (median)."""
+    threads = threads or os.cpu_count() or 1
+    buffer = np.ones(int(gib * 2**30) // 8, dtype=np.float64)
+    chunks = np.array_split(buffer, threads)
+    rates = []
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            list(pool.map(np.sum, chunks))
+            rates.append(buffer.nbytes / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
+def expected_distinct(experts: int, top_k: int, rows: int) -> float:
+    """Expected distinct experts that `rows` rows choosing top_k of `experts` (uniformly) touch."""
+    return experts * (1.0 - (1.0 - top_k / experts) ** rows)
+
+
+def step_weight_bytes(shape: InklingShape, settings_name: str, streams: int) -> float:
+    """Weight bytes one decode step over `streams` rows must read: each distinct expert once."""
+    s = preset(settings_name)
+    h = shape.hidden_size
+    total = 0.0
+    for i in range(shape.num_layers):
+        a = shape.layer_attention(i)
+        for rows, cols in ((a.q_width, h), (a.kv_width, h), (a.kv_width, h), (a.num_heads * shape.d_rel, h)):
+            total += stored_bytes((rows, cols), s.attention_weights)
+        total += stored_bytes((h, a.q_width), s.attention_weights)
+        if shape.is_dense(i):
+            total += stored_bytes((3 * shape.intermediate_size, h), s.expert_weights)
+        else:
+            one_expert = 3 * stored_bytes((shape.moe_intermediate_size, h), s.expert_weights)
+            touched = expected_distinct(shape.n_routed_experts, shape.num_experts_per_tok, streams)
+            total += one_expert * (touched + shape.n_shared_experts)
+            total += 4 * (shape.n_routed_experts + shape.n_shared_experts) * h  # f32 router
+    total += stored_bytes((shape.unpadded_vocab_size, h), s.head_weights)
+    return total
+
+
+def _median_time(fn: Callable[[], None], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_engine(engine: StageEngine, streams: int, steps: int, repeats: int, vocab: int) -> dict[str, float]:
+    rng = np.random.default_rng(0)
+    results: dict[str, float] = {}
+    names = [f"s{i}" for i in range(streams)]
+
+    def decode_round() -> None:
+        for name in names:
+            engine.open(name)
+        ids = rng.integers(3, vocab, size=streams * PROMPT_TOKENS)
+        engine.step([Segment(n, 0, PROMPT_TOKENS) for n in names], ids, np.array([PROMPT_TOKENS - 1]))
+        tokens = rng.integers(3, vocab, size=streams)
+        start = time.perf_counter()
+        for step in range(steps):
+            engine.step([Segment(n, PROMPT_TOKENS + step, 1) for n in names], tokens)
+        results.setdefault("_times", [])
+        results["_times"].append(time.perf_counter() - start)  # type: ignore[attr-defined]
+        for name in names:
+            engine.close(name)
+
+    decode_round()  # warm-up: first inference allocates
+    results.pop("_times")
+    for _ in range(repeats):
+        decode_round()
+    step_time = statistics.median(results.pop("_times")) / steps  # type: ignore[arg-type]
+    return {"step_s": step_time, "tokens_per_s": streams / step_time}
+
+
+def measure_prefill(engine: StageEngine, repeats: int, vocab: int) -> float:
+    ids = np.random.default_rng(1).integers(3, vocab, size=PREFILL_TOKENS)
+
+    def once() -> None:
+        engine.open("p")
+        engine.step([Segment("p", 0, PREFILL_TOKENS)], ids, np.array([PREFILL_TOKENS - 1]))
+        engine.close("p")
+
+    once()
+    return PREFILL_TOKENS / _median_time(once, repeats)
+
+
+def measure_transformers(model_dir: Path, streams: tuple[int, ...], steps: int, repeats: int, threads: int) -> dict:
+    import torch
+    from transformers import DynamicCache, InklingForCausalLM
+
+    if threads:
+        torch.set_num_threads(threads)
+    model = InklingForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    vocab = model.config.unpadded_vocab_size or model.config.vocab_size
+    out: dict[str, Any] = {"decode": {}}
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for count in streams:
+            times = []
+            for _ in range(repeats + 1):
+                ids = torch.randint(3, vocab, (count, PROMPT_TOKENS), generator=gen)
+                cache = DynamicCache(config=model.config)
+                model(ids, past_key_values=cache, use_cache=True)
+                token = torch.randint(3, vocab, (count, 1), generator=gen)
+                start = time.perf_counter()
+                for _ in range(steps):
+                    model(token, past_key_values=cache, use_cache=True)
+                times.append((time.perf_counter() - start) / steps)
+            step = statistics.median(times[1:])
+            out["decode"][str(count)] = {"step_s": step, "tokens_per_s": count / step}
+        ids = torch.randint(3, vocab, (1, PREFILL_TOKENS), generator=gen)
+        model(ids)
+        prefill = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model(ids)
+            prefill.append(time.perf_counter() - start)
+        out["prefill_tokens_per_s"] = PREFILL_TOKENS / statistics.median(prefill)
+    del model
+    return out
+
+
+def measure_dense_layer(model_dir: Path, shape: InklingShape, repeats: int) -> dict[str, Any] | None:
+    """A dense MLP call as all-active expert slices (our path) against a plain dense graph."""
+    import openvino as ov
+
+    from cascadia.engine import graphs
+
+    dense = [i for i in range(shape.num_layers) if shape.is_dense(i)]
+    if not dense:
+        return None
+    layer = load_stage(model_dir, dense[0], dense[0] + 1).layers[0]
+    core = ov.Core()
+    config = {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY"}
+    sliced = core.compile_model(graphs.dense_as_experts_graph(shape, layer), "CPU", config).create_infer_request()
+    plain = core.compile_model(graphs.dense_mlp_graph(shape, layer), "CPU", config).create_infer_request()
+    out: dict[str, Any] = {"layer": dense[0]}
+    for rows in (1, 8):
+        x = np.random.default_rng(2).standard_normal((rows, shape.hidden_size)).astype(np.float32)
+        timings = {}
+        for name, request in (("expert_slices", sliced), ("plain_dense", plain)):
+            request.infer({0: x})
+            timings[name] = _median_time(lambda r=request: [r.infer({0: x}) for _ in range(20)], repeats) / 20
+        np.testing.assert_allclose(sliced.infer({0: x})[0], plain.infer({0: x})[0], rtol=1e-4, atol=1e-4)
+        out[f"rows_{rows}_ms"] = {k: v * 1e3 for k, v in timings.items()}
+    return out
+
+
+def ensure_model(config: EngineBenchConfig, console: Console) -> Path:
+    if config.model is not None:
+        return config.model
+    from cascadia.model.synthetic import SyntheticSpec, write_checkpoint
+
+    path = config.out / "mini-checkpoint"
+    if not (path / "model.safetensors").is_file():
+        with console.status(f"writing the mini preset to {path}"):
+            write_checkpoint(path, SyntheticSpec(preset="mini", seed=0))
+    return path
+
+
+def run_engine_bench(config: EngineBenchConfig, console: Console) -> dict[str, Any]:
+    config.out.mkdir(parents=True, exist_ok=True)
+    model_dir = ensure_model(config, console)
+    shape = load_shape(model_dir)
+    with console.status("measuring read bandwidth"):
+        bandwidth = read_bandwidth()
+    console.print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    summary: dict[str, Any] = {
+        "model": str(model_dir),
+        "config": {k: str(v) for k, v in asdict(config).items()},
+        "read_bandwidth_bytes_per_s": bandwidth,
+        "params": sum(shape.layer_parameter_count(i) for i in range(shape.num_layers)),
+        "engine": {},
+    }
+    weights = load_stage(model_dir, 0, shape.num_layers)
+    for mode in config.precisions:
+        with console.status(f"compiling {mode}"):
+            engine = StageEngine(weights, preset(mode, threads=config.threads))
+        entry: dict[str, Any] = {"decode": {}, "fused_ops": engine.runtime_ops()[-1]}
+        for count in config.streams:
+            with console.status(f"{mode}: decode at {count} streams"):
+                result = measure_engine(engine, count, config.steps, config.repeats, shape.unpadded_vocab_size)
+            floor_s = step_weight_bytes(shape, mode, count) / bandwidth
+            result["floor_step_s"] = floor_s
+            result["fraction_of_floor"] = floor_s / result["step_s"]
+            entry["decode"][str(count)] = result
+            console.print(f"{mode:5s} {count:3d} streams: {result['tokens_per_s']:8.1f} tok/s "
+                          f"({result['fraction_of_floor']:.2f} of the bandwidth floor)")
+        with console.status(f"{mode}: prefill"):
+            entry["prefill_tokens_per_s"] = measure_prefill(engine, config.repeats, shape.unpadded_vocab_size)
+        summary["engine"][mode] = entry
+        del engine
+    del weights
+    with console.status("dense layer both ways"):
+        summary["dense_layer"] = measure_dense_layer(model_dir, shape, config.repeats)
+    if config.oracle:
+        with console.status("transformers f32"):
+            summary["transformers"] = measure_transformers(
+                model_dir, config.streams, config.steps, config.repeats, config.threads
+            )
+        ref = summary["transformers"]["decode"]
+        for entry in summary["engine"].values():
+            for count, result in entry["decode"].items():
+                result["vs_transformers_f32"] = result["tokens_per_s"] / ref[count]["tokens_per_s"]
+            entry["prefill_vs_transformers_f32"] = (
+                entry["prefill_tokens_per_s"] / summary["transformers"]["prefill_tokens_per_s"]
+            )
+    (config.out / "engine.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot_engine(summary, config.out / "engine.png")
+    return summary
+
+
+def plot_engine(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    series = {mode: entry["decode"] for mode, entry in summary["engine"].items()}
+    if "transformers" in summary:
+        series["transformers f32"] = summary["transformers"]["decode"]
+    counts = sorted({int(c) for s in series.values() for c in s})
+    width = 0.8 / len(series)
+    for i, (name, decode) in enumerate(series.items()):
+        ax.bar(
+            [j + i * width for j in range(len(counts))],
+            [decode[str(c)]["tokens_per_s"] for c in counts],
+            width,
+            label=name,
+        )
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(counts))], [f"{c} streams" for c in counts])
+    ax.set_ylabel("decode tokens / s")
+    ax.set_yscale("log")
+    ax.set_title(f"Engine decode throughput ({summary['params'] / 1e9:.2f}B-parameter Inkling config)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
