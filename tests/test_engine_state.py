@@ -143,3 +143,11 @@ def test_middle_stage_takes_hidden_rows_and_checks_their_shape(tiny):
         last.step([Segment("s", 0, 20)], hidden[:, :10])
     split = last.step([Segment("s", 0, 20)], hidden).logits
     np.testing.assert_allclose(split, whole.step([Segment("s", 0, 20)], IDS[:20]).logits, rtol=0, atol=1e-5)
+
+
+def test_f16_expert_arithmetic_on_the_cpu_is_refused_with_a_reason(tiny):
+    from cascadia.engine.engine import UnsupportedSettings
+
+    settings = EngineSettings(expert_weights="f16", expert_compute="f16")
+    with pytest.raises(UnsupportedSettings, match="expert_compute=f16"):
+        StageEngine(load_stage(tiny, 1, 2), settings)

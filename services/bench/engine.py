@@ -186,7 +186,7 @@ def measure_dense_layer(model_dir: Path, shape: InklingShape, repeats: int) -> d
         timings = {}
         for name, request in (("expert_slices", sliced), ("plain_dense", plain)):
             request.infer({0: x})
-            timings[name] = _median_time(lambda r=request: [r.infer({0: x}) for _ in range(20)], repeats) / 20
+            timings[name] = _median_time(lambda r=request, x=x: [r.infer({0: x}) for _ in range(20)], repeats) / 20
         np.testing.assert_allclose(sliced.infer({0: x})[0], plain.infer({0: x})[0], rtol=1e-4, atol=1e-4)
         out[f"rows_{rows}_ms"] = {k: v * 1e3 for k, v in timings.items()}
     return out
@@ -230,8 +230,10 @@ def run_engine_bench(config: EngineBenchConfig, console: Console) -> dict[str, A
             result["floor_step_s"] = floor_s
             result["fraction_of_floor"] = floor_s / result["step_s"]
             entry["decode"][str(count)] = result
-            console.print(f"{mode:5s} {count:3d} streams: {result['tokens_per_s']:8.1f} tok/s "
-                          f"({result['fraction_of_floor']:.2f} of the bandwidth floor)")
+            console.print(
+                f"{mode:5s} {count:3d} streams: {result['tokens_per_s']:8.1f} tok/s "
+                f"({result['fraction_of_floor']:.2f} of the bandwidth floor)"
+            )
         with console.status(f"{mode}: prefill"):
             entry["prefill_tokens_per_s"] = measure_prefill(engine, config.repeats, shape.unpadded_vocab_size)
         summary["engine"][mode] = entry

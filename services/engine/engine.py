@@ -24,6 +24,10 @@ CONVS = ("k", "v", "o", "m")
 Progress = Callable[[str, int, int], None]
 
 
+class UnsupportedSettings(ValueError):
+    """Settings the device cannot compile (e.g. f16 fused experts on the CPU)."""
+
+
 class StreamError(ValueError):
     """A request about a stream that does not exist, already exists, or is at another position."""
 
@@ -70,11 +74,18 @@ class _Layer:
         self.expert_model = None
         if split:
             scale = _power_of_two_scale(weights)
-            self.expert_model = core.compile_model(
-                graphs.expert_graph(shape, weights, settings.expert_weights, scale),
-                settings.device,
-                _compile_config(settings, settings.expert_compute),
-            )
+            try:
+                self.expert_model = core.compile_model(
+                    graphs.expert_graph(shape, weights, settings.expert_weights, scale),
+                    settings.device,
+                    _compile_config(settings, settings.expert_compute),
+                )
+            except RuntimeError as exc:
+                raise UnsupportedSettings(
+                    f"layer {weights.index}: the fused experts do not compile on {settings.device} with "
+                    f"expert_compute={settings.expert_compute} ({str(exc).strip().splitlines()[-1]}); "
+                    "f16 arithmetic is the iGPU's, use f32 or bf16 on the CPU"
+                ) from exc
             self.expert_request = self.expert_model.create_infer_request()
             post = core.compile_model(graphs.post_graph(shape, weights, scale), settings.device, residual_cfg)
             self.post_request = post.create_infer_request()
