@@ -208,6 +208,93 @@ def bench_engine(
     sys.stdout.write(json.dumps(summary, indent=2) + "\n")
 
 
+@app.command()
+def plan(
+    nodes: Annotated[int, typer.Option(min=1, help="Number of nodes in the fleet.")],
+    node_memory: Annotated[str, typer.Option(help="Usable memory per node, e.g. 61Gi.")],
+    model: Annotated[Path | None, typer.Option(help="Checkpoint directory to plan for.")] = None,
+    preset_name: Annotated[str | None, typer.Option("--preset", help="A model shape: inkling-975b.")] = None,
+    layers_per_node: Annotated[int | None, typer.Option(min=1, help="Fixed layers per node.")] = None,
+    expert_weights: Annotated[str, typer.Option(help="f32, f16, int8 or int4")] = "int4",
+    attention_weights: Annotated[str, typer.Option(help="f32, f16, int8 or int4")] = "int8",
+    head_weights: Annotated[str, typer.Option(help="f32, f16, int8 or int4")] = "int8",
+    streams: Annotated[int, typer.Option(min=1, help="Streams the KV budget is sized for.")] = 88,
+    context: Annotated[int, typer.Option(min=1, help="Global-layer positions per stream.")] = 1024,
+    node_bandwidth: Annotated[float, typer.Option(help="Memory read bandwidth per node, GB/s.")] = 100.0,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Place layers on nodes; print memory per node and the bandwidth-floor throughput."""
+    from cascadia.engine.weights import WEIGHT_FORMATS
+    from cascadia.model.config import ConfigError, load_shape
+    from cascadia.planner import PlanError, PlanRequest, floor_throughput, parse_size, plan_fleet, preset_shape
+
+    if (model is None) == (preset_name is None):
+        raise fail("give exactly one of --model and --preset")
+    for flag, value in (
+        ("--expert-weights", expert_weights),
+        ("--attention-weights", attention_weights),
+        ("--head-weights", head_weights),
+    ):
+        if value not in WEIGHT_FORMATS:
+            raise fail(f"{flag} '{value}' is not one of {', '.join(WEIGHT_FORMATS)}")
+    try:
+        shape = preset_shape(preset_name) if preset_name else load_shape(model)
+        request = PlanRequest(
+            nodes=tuple(f"node-{i}" for i in range(nodes)),
+            node_memory=parse_size(node_memory),
+            expert_weights=expert_weights,  # type: ignore[arg-type]
+            attention_weights=attention_weights,  # type: ignore[arg-type]
+            head_weights=head_weights,  # type: ignore[arg-type]
+            layers_per_node=layers_per_node,
+            streams=streams,
+            context=context,
+        )
+        fleet = plan_fleet(shape, request)
+    except (PlanError, ConfigError) as exc:
+        raise fail(str(exc)) from None
+    counts = [1, 2, 4, 8, 16, 32, 64, 88, 128, 176]
+    floor = {c: floor_throughput(shape, fleet, request, c, node_bandwidth * 1e9) for c in counts}
+    if as_json:
+        out = {
+            "mode": fleet.mode,
+            "note": fleet.note,
+            "plan": [
+                {
+                    "node": s.node,
+                    "startLayer": s.start_layer,
+                    "endLayer": s.end_layer,
+                    "weightBytes": s.weight_bytes,
+                    "kvBytes": s.kv_bytes,
+                    "totalBytes": s.total_bytes,
+                }
+                for s in fleet.stages
+            ],
+            "floorTokensPerS": {str(c): round(v, 2) for c, v in floor.items()},
+        }
+        sys.stdout.write(json.dumps(out) + "\n")
+        return
+    from rich.table import Table
+
+    table = Table(title=fleet.note)
+    for col in ("node", "layers", "weights GiB", "KV GiB", "total GiB"):
+        table.add_column(col)
+    for s in fleet.stages:
+        table.add_row(
+            s.node,
+            f"{s.start_layer}:{s.end_layer}",
+            f"{s.weight_bytes / 2**30:.2f}",
+            f"{s.kv_bytes / 2**30:.2f}",
+            f"{s.total_bytes / 2**30:.2f}",
+        )
+    Console().print(table)
+    floor_table = Table(title=f"bandwidth-floor decode tok/s at {node_bandwidth:g} GB/s per node")
+    floor_table.add_column("streams")
+    floor_table.add_column("tok/s")
+    for c, v in floor.items():
+        floor_table.add_row(str(c), f"{v:.1f}")
+    Console().print(floor_table)
+
+
 def main() -> None:
     app()
 

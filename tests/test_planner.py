@@ -1,0 +1,143 @@
+"""The fleet planner, from tables: fixed and balanced splits, and fleets that cannot fit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from cascadia.model.config import load_shape
+from cascadia.planner import (
+    GIB,
+    PlanError,
+    PlanRequest,
+    floor_throughput,
+    parse_size,
+    plan_fleet,
+    preset_shape,
+)
+
+FLEET = tuple(f"pc-{i:02d}" for i in range(1, 12))
+
+
+def test_the_seed_split_of_six_layers_per_node_fits_the_975b_model_on_eleven_64gb_nodes():
+    shape = preset_shape("inkling-975b")
+    plan = plan_fleet(shape, PlanRequest(FLEET, 61 * GIB, layers_per_node=6))
+    assert plan.ranges == [(6 * i, 6 * i + 6) for i in range(11)]
+    assert [s.node for s in plan.stages] == list(FLEET)
+    assert all(s.total_bytes <= 61 * GIB for s in plan.stages)
+    # the first node's two dense layers make it lighter; the last carries the head
+    assert plan.stages[0].weight_bytes < plan.stages[1].weight_bytes < plan.stages[-1].weight_bytes
+
+
+def test_the_automatic_split_fits_and_says_why_it_differs():
+    shape = preset_shape("inkling-975b")
+    request = PlanRequest(FLEET, 61 * GIB)
+    fixed = plan_fleet(shape, PlanRequest(FLEET, 61 * GIB, layers_per_node=6))
+    auto = plan_fleet(shape, request)
+    assert auto.mode == "balanced"
+    ranges = auto.ranges
+    assert ranges[0][0] == 0 and ranges[-1][1] == 66
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))  # contiguous, no gaps
+    assert max(s.total_bytes for s in auto.stages) <= max(s.total_bytes for s in fixed.stages)
+    assert ranges != fixed.ranges
+    assert ranges[0][1] > 6  # node 0 holds the light dense layers, so it takes more
+    assert "pc-01" in auto.note and "lighter" in auto.note
+
+
+@pytest.mark.parametrize(
+    ("request_kw", "message"),
+    [
+        ({"nodes": FLEET[:5]}, "exceed their 61.0 GiB"),
+        ({"layers_per_node": 5}, "need 14 nodes; the fleet has 11"),
+        ({"expert_weights": "f16", "layers_per_node": 6}, "exceed"),
+        ({"node_memory": GIB}, "leaves nothing"),
+        ({"nodes": ()}, "no nodes"),
+    ],
+)
+def test_a_fleet_that_cannot_hold_the_model_says_why(request_kw, message):
+    kw = {"nodes": FLEET, "node_memory": 61 * GIB} | request_kw
+    with pytest.raises(PlanError, match=message):
+        plan_fleet(preset_shape("inkling-975b"), PlanRequest(**kw))
+
+
+def test_kv_budget_counts_against_node_memory():
+    shape = preset_shape("inkling-975b")
+    small = plan_fleet(shape, PlanRequest(FLEET, 61 * GIB, layers_per_node=6, streams=8))
+    big = plan_fleet(shape, PlanRequest(FLEET, 61 * GIB, layers_per_node=6, streams=88))
+    assert big.stages[1].kv_bytes > small.stages[1].kv_bytes > 0
+    with pytest.raises(PlanError, match="KV"):
+        plan_fleet(shape, PlanRequest(FLEET, 61 * GIB, layers_per_node=6, context=512 * 1024))
+
+
+def test_floor_throughput_grows_with_streams_and_saturates():
+    shape = preset_shape("inkling-975b")
+    request = PlanRequest(FLEET, 61 * GIB, layers_per_node=6)
+    plan = plan_fleet(shape, request)
+    rates = [floor_throughput(shape, plan, request, n, 100e9) for n in (1, 8, 88, 176)]
+    assert rates == sorted(rates)
+    assert rates[1] == pytest.approx(8 * rates[0], rel=0.05)  # fewer groups than stages: linear
+    assert rates[3] < 2 * rates[2]  # distinct experts saturate: sub-linear
+
+
+def test_small_checkpoint_plans_on_two_nodes(tiny):
+    shape = load_shape(tiny)
+    plan = plan_fleet(shape, PlanRequest(("a", "b"), GIB, runtime_overhead=GIB // 2))
+    assert plan.ranges[0][0] == 0 and plan.ranges[-1][1] == shape.num_layers and len(plan.stages) == 2
+
+
+@pytest.mark.parametrize(("text", "value"), [("64Gi", 64 * GIB), ("1.5G", 1_500_000_000), ("512Mi", 512 * 2**20)])
+def test_sizes_parse_like_kubernetes_quantities(text, value):
+    assert parse_size(text) == value
+
+
+def test_bad_sizes_are_named():
+    with pytest.raises(PlanError, match="'lots'"):
+        parse_size("lots")
+
+
+def test_plan_command_prints_json_for_the_975b_preset():
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cascadia.cli",
+            "plan",
+            "--preset",
+            "inkling-975b",
+            "--nodes",
+            "11",
+            "--node-memory",
+            "61Gi",
+            "--layers-per-node",
+            "6",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert [p["startLayer"] for p in out["plan"]] == list(range(0, 66, 6))
+    assert set(out["floorTokensPerS"]) >= {"1", "88", "176"}
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cascadia.cli",
+            "plan",
+            "--preset",
+            "inkling-975b",
+            "--nodes",
+            "3",
+            "--node-memory",
+            "61Gi",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "exceed" in bad.stderr
