@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -40,7 +41,7 @@ def test_the_automatic_split_fits_and_says_why_it_differs():
     assert auto.mode == "balanced"
     ranges = auto.ranges
     assert ranges[0][0] == 0 and ranges[-1][1] == 66
-    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))  # contiguous, no gaps
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))  # contiguous, no gaps
     assert max(s.total_bytes for s in auto.stages) <= max(s.total_bytes for s in fixed.stages)
     assert ranges != fixed.ranges
     assert ranges[0][1] > 6  # node 0 holds the light dense layers, so it takes more
