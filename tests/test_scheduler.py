@@ -1,0 +1,124 @@
+"""The router's pure scheduling decisions, driven by hand-made results and by a real engine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cascadia.engine.batch import Segment
+from cascadia.engine.engine import StageEngine
+from cascadia.engine.generate import generate
+from cascadia.engine.sampling import SamplingParams
+from cascadia.engine.settings import EngineSettings
+from cascadia.model.checkpoint import load_stage
+from cascadia.model.config import load_shape
+from cascadia.router.scheduler import Overloaded, Request, Scheduler, SchedulerConfig
+
+
+def request(rid: str, length: int, max_tokens: int = 4, stop: frozenset[int] = frozenset()) -> Request:
+    return Request(rid, tuple(range(10, 10 + length)), SamplingParams(max_tokens=max_tokens, stop_ids=stop))
+
+
+def test_nothing_is_admitted_before_the_whole_chain_is_ready():
+    s = Scheduler(SchedulerConfig(stages=3))
+    s.submit(request("a", 4))
+    assert s.next_frames() == []
+    s.set_chain_ready(True)
+    assert len(s.next_frames()) == 1
+
+
+def test_one_frame_per_stage_in_flight_and_rows_per_group_respected():
+    s = Scheduler(SchedulerConfig(stages=2, rows_per_group=4, prefill_window=4))
+    s.set_chain_ready(True)
+    for i in range(5):
+        s.submit(request(f"r{i}", 4))
+    frames = s.next_frames()
+    assert len(frames) == 2 and s.in_flight == 2
+    assert all(f.size <= 4 for f in frames)
+    assert s.next_frames() == []  # both stage slots are taken
+
+
+def test_decode_rows_go_first_and_a_long_prompt_is_cut_into_windows():
+    s = Scheduler(SchedulerConfig(stages=1, rows_per_group=8, prefill_window=8))
+    s.set_chain_ready(True)
+    s.submit(request("short", 2))
+    (frame,) = s.next_frames()
+    s.on_frame_done(frame.id, {"short": 99})
+    s.submit(request("long", 40))
+    (frame,) = s.next_frames()
+    # the decoding stream's row comes first; the long prompt gets the 7 rows left
+    assert [(r.stream, len(r.tokens)) for r in frame.rows] == [("short", 1), ("long", 7)]
+    assert frame.rows[0].tokens == (99,) and frame.rows[0].start == 2
+    assert frame.rows[1].opens and not frame.rows[1].wants_token
+
+
+def test_stop_ids_max_tokens_and_cancellation_free_streams():
+    s = Scheduler(SchedulerConfig(stages=1))
+    s.set_chain_ready(True)
+    s.submit(request("a", 1, max_tokens=2))
+    s.submit(request("b", 1, stop=frozenset({7})))
+    (f,) = s.next_frames()
+    events = s.on_frame_done(f.id, {"a": 5, "b": 7})
+    assert [(e.stream, e.finished) for e in events] == [("a", None), ("b", "stop")]
+    (f,) = s.next_frames()
+    assert [(e.stream, e.finished) for e in s.on_frame_done(f.id, {"a": 6})] == [("a", "length")]
+    assert s.active == 0
+    s.submit(request("c", 3))
+    (f,) = s.next_frames()
+    assert s.cancel("c") is True  # stages hold its state: the router must close it everywhere
+    assert s.on_frame_done(f.id, {"c": 1}) == []
+    s.submit(request("d", 3))
+    assert s.cancel("d") is False  # still queued (no chain slot taken yet): nothing to close
+
+
+def test_a_bounded_queue_refuses_with_overloaded():
+    s = Scheduler(SchedulerConfig(stages=1, max_streams=1, max_queue=2))
+    for i in range(2):
+        s.submit(request(f"q{i}", 2))
+    with pytest.raises(Overloaded, match="overloaded"):
+        s.submit(request("q9", 2))
+
+
+def test_a_failed_frame_fails_exactly_its_streams():
+    s = Scheduler(SchedulerConfig(stages=2, rows_per_group=2, prefill_window=2))
+    s.set_chain_ready(True)
+    for i in range(4):
+        s.submit(request(f"r{i}", 2))
+    first, _second = s.next_frames()
+    assert sorted(s.on_frame_failed(first.id)) == sorted(r.stream for r in first.rows)
+    assert s.active == 4 - len(first.rows)
+
+
+def test_scheduled_frames_through_an_engine_give_each_stream_the_ids_it_gets_alone(tiny):
+    """Many streams of different lengths, interleaved by the scheduler, each get their solo output."""
+    shape = load_shape(tiny)
+    engine = StageEngine(load_stage(tiny, 0, shape.num_layers), EngineSettings())
+    rng = np.random.default_rng(5)
+    requests = [
+        Request(f"r{i}", tuple(int(t) for t in rng.integers(3, 500, size=n)), SamplingParams(max_tokens=6))
+        for i, n in enumerate([1, 3, 9, 17, 30, 5, 12, 2])
+    ]
+    alone = {r.id: generate(engine, r.prompt, r.params, stream="solo").token_ids for r in requests}
+    s = Scheduler(SchedulerConfig(stages=3, rows_per_group=8, prefill_window=8))
+    s.set_chain_ready(True)
+    for r in requests:
+        s.submit(r)
+    got: dict[str, list[int]] = {r.id: [] for r in requests}
+    while s.active or s.queued:
+        for frame in s.next_frames():
+            segments, ids, want = [], [], []
+            for row in frame.rows:
+                if row.opens:
+                    engine.open(row.stream)
+                segments.append(Segment(row.stream, row.start, len(row.tokens)))
+                ids.extend(row.tokens)
+                if row.wants_token:
+                    want.append((row.stream, len(ids) - 1))
+            result = engine.step(segments, np.array(ids), np.array([i for _, i in want], dtype=np.int64))
+            tokens = {stream: int(result.logits[k].argmax()) for k, (stream, _) in enumerate(want)}
+            for event in s.on_frame_done(frame.id, tokens):
+                got[event.stream].append(event.token)
+                if event.finished:
+                    engine.close(event.stream)
+    assert got == alone
+    assert engine.streams == []
