@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -124,8 +125,6 @@ def generate(
         raise fail(f"--speculation '{speculation}' is not one of on, off")
     if speculation == "on":
         raise fail("--speculation on: speculative decoding is not available in this build")
-    if shards != 1:
-        raise fail(f"--shards {shards}: multi-shard fleets are not available in this build; use --shards 1")
     model_dir = resolve_model(model)
     tokenizer = _tokenizer(model_dir)
     from cascadia.model.config import ConfigError, load_shape
@@ -151,8 +150,16 @@ def generate(
         raise fail(str(exc)) from None
     if len(ids) + max_tokens > settings.context and any(a.kind == "global" for a in shape.attention):
         raise fail(f"prompt of {len(ids)} tokens + {max_tokens} new tokens exceeds --context {settings.context}")
-    engine = load_engine(model_dir, settings)
-    result = run(engine, ids, params)
+    if shards == 1:
+        result = run(load_engine(model_dir, settings), ids, params)
+    else:
+        from cascadia.router.local import local_ranges
+
+        try:
+            local_ranges(model_dir, shards)
+        except ValueError as exc:
+            raise fail(str(exc)) from None
+        result = _generate_on_fleet(model_dir, shards, precision, ids, params)
     text = tokenizer.decode(result.token_ids) if tokenizer is not None else ""
     if as_json:
         line = {
@@ -168,6 +175,100 @@ def generate(
             f"{len(result.token_ids)} tokens, first after {result.ttft_s:.3f} s, "
             f"{result.decode_tokens_per_s:.1f} tok/s decode"
         )
+
+
+def _generate_on_fleet(model_dir: Path, shards: int, precision: str, ids: list[int], params):
+    import asyncio
+    import time
+
+    from cascadia.engine.generate import Generation
+    from cascadia.router.local import LocalFleet
+    from cascadia.router.pipeline import PipelineDriver, RequestFailed
+    from cascadia.router.scheduler import Request, SchedulerConfig
+
+    fleet = LocalFleet(model_dir, shards, precision)
+
+    async def go() -> Generation:
+        driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, SchedulerConfig(stages=shards))
+        await driver.start()
+        try:
+            with err.status(f"starting {shards} shards"):
+                ready = asyncio.ensure_future(driver.wait_ready(timeout=300))
+                while not ready.done():
+                    if fleet.dead():
+                        ready.cancel()
+                        raise RequestFailed(f"shard processes exited: {fleet.dead()}")
+                    await asyncio.sleep(0.2)
+                ready.result()
+            started = time.perf_counter()
+            pending = await driver.generate(Request("generate", tuple(ids), params))
+            end = time.perf_counter()
+            first = pending.first_token_at or end
+            rate = (len(pending.tokens) - 1) / (end - first) if len(pending.tokens) > 1 and end > first else 0.0
+            return Generation(pending.tokens, first - started, rate)
+        finally:
+            await driver.stop()
+
+    fleet.start()
+    try:
+        return asyncio.run(go())
+    except RequestFailed as exc:
+        raise fail(str(exc)) from None
+    finally:
+        fleet.stop()
+
+
+@app.command()
+def shard(
+    model: Annotated[str, typer.Option(help="Checkpoint directory.")],
+    layers: Annotated[str, typer.Option(help="Half-open layer range A:B.")],
+    listen: Annotated[str, typer.Option(help="Address to serve on, e.g. 127.0.0.1:7001.")],
+    next_addr: Annotated[str | None, typer.Option("--next", help="The next stage's address.")] = None,
+    reply_to: Annotated[str | None, typer.Option(help="Where the last stage delivers tokens.")] = None,
+    stage: Annotated[int, typer.Option(min=0, help="This stage's index (for error messages).")] = 0,
+    precision: Annotated[str, typer.Option(help="f32, bf16, f16, int8 or int4")] = "f32",
+    device: Annotated[str, typer.Option(help="OpenVINO device.")] = "CPU",
+    context: Annotated[int | None, typer.Option(help="Global-layer positions per stream.")] = None,
+) -> None:
+    """Serve one contiguous layer range as a stage of the chain."""
+    import asyncio
+    import logging
+    import signal
+
+    from cascadia.engine.settings import PRECISION_PRESETS, preset
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if (next_addr is None) == (reply_to is None):
+        raise fail("give exactly one of --next and --reply-to")
+    if precision not in PRECISION_PRESETS:
+        raise fail(f"--precision '{precision}' is not one of {', '.join(PRECISION_PRESETS)}")
+    try:
+        start, end = (int(x) for x in layers.split(":"))
+    except ValueError:
+        raise fail(f"--layers '{layers}': expected A:B") from None
+    model_dir = resolve_model(model)
+    from cascadia.model.checkpoint import CheckpointError
+    from cascadia.model.config import ConfigError, load_shape
+
+    try:
+        shape = load_shape(model_dir)
+        if (end == shape.num_layers) != (reply_to is not None):
+            raise fail(f"--layers {layers}: only the stage ending at layer {shape.num_layers} takes --reply-to")
+        settings = preset(precision, device=device, **({"context": context} if context else {}))
+        engine = load_engine(model_dir, settings, start, end)
+    except (ConfigError, CheckpointError, ValueError) as exc:
+        raise fail(str(exc)) from None
+    from cascadia.shard.service import serve
+
+    async def main_task() -> None:
+        task = asyncio.ensure_future(serve(engine, stage, listen, next_addr, reply_to, settings.context))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main_task())
 
 
 def _tokenizer(model_dir: Path):

@@ -1,0 +1,219 @@
+"""The admitting side of a chain: turns scheduler frames into gRPC frames and collects sampled tokens.
+
+A thin shell around `scheduler.Scheduler`: it submits each frame to stage 0, receives the last
+stage's results on its Collector service, and feeds them back to the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cascadia.router.scheduler import Emitted, Frame, Request, Scheduler, SchedulerConfig
+from cascadia.shard.service import CHANNEL_OPTIONS, pb, rpc
+
+log = logging.getLogger("cascadia.router")
+CLOSE_ONLY_FRAME = 2**63  # frames that only free state carry this id and return no tokens
+
+
+class RequestFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class _Pending:
+    request: Request
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    error: str | None = None
+    first_token_at: float | None = None
+
+
+class _Collector(rpc.CollectorServicer):
+    def __init__(self, driver: PipelineDriver) -> None:
+        self.driver = driver
+
+    async def Deliver(self, result, context):
+        self.driver.on_result(result)
+        return pb.Ack()
+
+
+class PipelineDriver:
+    def __init__(self, stage_addrs: Sequence[str], listen: str, config: SchedulerConfig, frame_timeout: float = 30.0):
+        self.stage_addrs = list(stage_addrs)
+        self.listen = listen
+        self.scheduler = Scheduler(config)
+        self.frame_timeout = frame_timeout
+        self._pending: dict[str, _Pending] = {}
+        self._sent_at: dict[int, float] = {}
+        self._closes: list[str] = []
+        self._server: grpc.aio.Server | None = None
+        self._channels: list[grpc.aio.Channel] = []
+        self._first: rpc.ShardStub | None = None
+        self._watchdog: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        self._server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        rpc.add_CollectorServicer_to_server(_Collector(self), self._server)
+        self._server.add_insecure_port(self.listen)
+        await self._server.start()
+        self._channels = [grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS) for a in self.stage_addrs]
+        self._first = rpc.ShardStub(self._channels[0])
+        self._watchdog = asyncio.create_task(self._watch())
+
+    async def wait_ready(self, timeout: float = 120.0) -> None:
+        """Admission opens only when every stage reports SERVING."""
+        deadline = time.monotonic() + timeout
+        while True:
+            states = await self.stage_health()
+            if all(states):
+                self.scheduler.set_chain_ready(True)
+                return
+            if time.monotonic() > deadline:
+                missing = [i for i, ok in enumerate(states) if not ok]
+                raise RequestFailed(f"stages {missing} are not serving after {timeout:.0f} s")
+            await asyncio.sleep(0.1)
+
+    async def stage_health(self) -> list[bool]:
+        async def one(channel: grpc.aio.Channel) -> bool:
+            try:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+            except grpc.aio.AioRpcError:
+                return False
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+        return list(await asyncio.gather(*(one(c) for c in self._channels)))
+
+    async def stop(self) -> None:
+        if self._watchdog:
+            self._watchdog.cancel()
+        if self._tasks:  # let the last close frames go out
+            await asyncio.wait(list(self._tasks), timeout=2)
+        for channel in self._channels:
+            await channel.close()
+        if self._server:
+            await self._server.stop(grace=1)
+
+    async def generate(self, request: Request) -> _Pending:
+        pending = _Pending(request)
+        self._pending[request.id] = pending
+        self.scheduler.submit(request)
+        await self._pump()
+        await pending.done.wait()
+        self._pending.pop(request.id, None)
+        if pending.error:
+            raise RequestFailed(pending.error)
+        return pending
+
+    async def cancel(self, request_id: str) -> None:
+        if self.scheduler.cancel(request_id):
+            self._closes.append(request_id)
+        pending = self._pending.get(request_id)
+        if pending:
+            pending.error = "cancelled"
+            pending.done.set()
+        await self._pump()
+
+    def on_result(self, result) -> None:
+        if result.frame_id == CLOSE_ONLY_FRAME:
+            return
+        self._sent_at.pop(result.frame_id, None)
+        if result.error:
+            self._fail(self.scheduler.on_frame_failed(result.frame_id), result.error)
+        else:
+            tokens = {t.stream: t.token for t in result.tokens}
+            logprobs = {t.stream: t.logprob for t in result.tokens}
+            for event in self.scheduler.on_frame_done(result.frame_id, tokens):
+                self._emit(event, logprobs.get(event.stream, 0.0))
+        task = asyncio.get_running_loop().create_task(self._pump())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _emit(self, event: Emitted, logprob: float) -> None:
+        pending = self._pending.get(event.stream)
+        if pending is None:
+            return
+        if pending.first_token_at is None:
+            pending.first_token_at = time.perf_counter()
+        pending.tokens.append(event.token)
+        pending.logprobs.append(logprob)
+        if event.finished:
+            self._closes.append(event.stream)
+            pending.done.set()
+
+    def _fail(self, streams: list[str], error: str) -> None:
+        for stream in streams:
+            pending = self._pending.get(stream)
+            if pending:
+                pending.error = error
+                pending.done.set()
+
+    async def _pump(self) -> None:
+        frames = self.scheduler.next_frames()
+        if not frames and self._closes:
+            await self._submit(pb.Frame(frame_id=CLOSE_ONLY_FRAME, closes=self._take_closes()), None)
+        for frame in frames:
+            await self._submit(self._to_proto(frame), frame)
+
+    def _take_closes(self) -> list[str]:
+        closes, self._closes = self._closes, []
+        return closes
+
+    def _to_proto(self, frame: Frame):
+        out = pb.Frame(frame_id=frame.id)
+        for row in frame.rows:
+            if row.opens:
+                params = self._pending[row.stream].request.params
+                sampling = pb.Sampling(
+                    temperature=params.temperature,
+                    top_k=params.top_k,
+                    top_p=params.top_p,
+                    seed=params.seed or 0,
+                    has_seed=params.seed is not None,
+                )
+                out.opens.append(pb.StreamOpen(stream=row.stream, sampling=sampling))
+            out.rows.append(
+                pb.RowBlock(stream=row.stream, start=row.start, length=len(row.tokens), wants_token=row.wants_token)
+            )
+            out.token_ids.extend(row.tokens)
+        out.closes.extend(self._take_closes())
+        return out
+
+    async def _submit(self, message, frame: Frame | None) -> None:
+        try:
+            await self._first.Submit(message, timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            if frame is not None:
+                self._fail(self.scheduler.on_frame_failed(frame.id), f"stage 0: {exc.details()}")
+            return
+        if frame is not None:
+            self._sent_at[frame.id] = time.monotonic()
+
+    async def _watch(self) -> None:
+        """Frames that never come back fail their requests, naming the first stage that is down."""
+        while True:
+            await asyncio.sleep(0.5)
+            now = time.monotonic()
+            late = [fid for fid, t in self._sent_at.items() if now - t > self.frame_timeout]
+            if not late:
+                unhealthy = None
+                if self._sent_at:
+                    states = await self.stage_health()
+                    unhealthy = next((i for i, ok in enumerate(states) if not ok), None)
+                if unhealthy is None:
+                    continue
+                late = list(self._sent_at)
+                reason = f"stage {unhealthy} is not serving"
+            else:
+                reason = f"no result within {self.frame_timeout:.0f} s"
+            for fid in late:
+                self._sent_at.pop(fid, None)
+                self._fail(self.scheduler.on_frame_failed(fid), reason)

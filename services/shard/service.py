@@ -1,0 +1,243 @@
+"""`cascadia shard`: one stage of the chain, serving frames over asyncio gRPC.
+
+Frames are checked when they arrive (a malformed one is refused with INVALID_ARGUMENT and changes
+nothing), queued, and run strictly in order by one worker, which hands each result on while the
+next frame computes: the next stage's Submit, or on the last stage the sampled tokens to the
+collector at --reply-to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from cascadia.engine.batch import Segment
+from cascadia.engine.engine import StageEngine
+from cascadia.engine.sampling import SamplingParams, choose, log_softmax
+from cascadia.protos import load
+
+pb, rpc = load()
+log = logging.getLogger("cascadia.shard")
+MAX_MESSAGE = 256 * 2**20
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)]
+
+
+class FrameRejected(ValueError):
+    pass
+
+
+@dataclass
+class _Sampler:
+    params: SamplingParams
+    rng: np.random.Generator
+    top_logprobs: int
+
+
+def check_frame(frame, expected: dict[str, int], is_first: bool, hidden_size: int, vocab: int) -> dict[str, int]:
+    """Validate a frame against the positions queued so far; returns the positions after it."""
+    after = dict(expected)
+    for rewind in frame.rewinds:
+        if rewind.stream not in after:
+            raise FrameRejected(f"rewind of unknown stream '{rewind.stream}'")
+        if not 0 <= rewind.position <= after[rewind.stream]:
+            raise FrameRejected(f"stream '{rewind.stream}': cannot rewind to {rewind.position}")
+        after[rewind.stream] = rewind.position
+    for opened in frame.opens:
+        if opened.stream in after:
+            raise FrameRejected(f"stream '{opened.stream}' is already open")
+        after[opened.stream] = 0
+    rows = 0
+    seen = set()
+    for block in frame.rows:
+        if block.stream not in after:
+            raise FrameRejected(f"unknown stream '{block.stream}'")
+        if block.stream in seen:
+            raise FrameRejected(f"stream '{block.stream}' appears twice in frame {frame.frame_id}")
+        seen.add(block.stream)
+        if block.length < 1:
+            raise FrameRejected(f"stream '{block.stream}': empty row block")
+        if block.start != after[block.stream]:
+            raise FrameRejected(
+                f"stream '{block.stream}': position gap, rows start at {block.start} but the stream is at "
+                f"{after[block.stream]}"
+            )
+        after[block.stream] += block.length
+        rows += block.length
+    if is_first:
+        if len(frame.token_ids) != rows:
+            raise FrameRejected(f"frame {frame.frame_id}: {len(frame.token_ids)} token ids for {rows} rows")
+        if any(not 0 <= t < vocab for t in frame.token_ids):
+            raise FrameRejected(f"frame {frame.frame_id}: token id outside [0, {vocab})")
+    elif rows:
+        shape = tuple(frame.hidden.shape)
+        if shape != (rows, hidden_size) or len(frame.hidden.data) != rows * hidden_size * 4:
+            raise FrameRejected(
+                f"frame {frame.frame_id}: hidden rows of shape {shape} with {len(frame.hidden.data)} bytes, "
+                f"expected ({rows}, {hidden_size}) FP32"
+            )
+    for stream in frame.closes:
+        if stream not in after:
+            raise FrameRejected(f"close of unknown stream '{stream}'")
+        del after[stream]
+    return after
+
+
+class ShardServicer(rpc.ShardServicer):
+    def __init__(self, engine: StageEngine, stage: int, default_context: int) -> None:
+        self.engine = engine
+        self.stage = stage
+        self.default_context = default_context
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.expected: dict[str, int] = {}
+        self.samplers: dict[str, _Sampler] = {}
+        self.next_stub = None
+        self.collector_stub = None
+
+    async def Submit(self, frame, context):
+        if not frame.error:
+            try:
+                self.expected = check_frame(
+                    frame,
+                    self.expected,
+                    self.engine.is_first,
+                    self.engine.shape.hidden_size,
+                    self.engine.shape.vocab_size,
+                )
+            except FrameRejected as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        await self.queue.put(frame)
+        return pb.Ack()
+
+    async def run(self) -> None:
+        while True:
+            frame = await self.queue.get()
+            if frame.error:
+                out = frame
+            else:
+                try:
+                    out = await asyncio.to_thread(self._compute, frame)
+                except Exception as exc:  # the stream's requests fail; the shard keeps serving
+                    log.exception("frame %s failed", frame.frame_id)
+                    self._forget(frame)
+                    out = pb.Frame(frame_id=frame.frame_id, error=f"stage {self.stage}: {exc}", failed_stage=self.stage)
+            await self._pass_on(out)
+
+    def _forget(self, frame) -> None:
+        for name in [*(o.stream for o in frame.opens), *(b.stream for b in frame.rows)]:
+            self.expected.pop(name, None)
+            self.samplers.pop(name, None)
+            if name in self.engine.streams:
+                self.engine.close(name)
+
+    def _compute(self, frame):
+        engine = self.engine
+        for rewind in frame.rewinds:
+            engine.rewind(rewind.stream, rewind.position)
+        for opened in frame.opens:
+            engine.open(opened.stream, opened.context or None)
+            if engine.is_last:
+                s = opened.sampling
+                params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0)
+                seed = s.seed if s.has_seed else None
+                self.samplers[opened.stream] = _Sampler(params, np.random.default_rng(seed), s.top_logprobs)
+        segments = [Segment(b.stream, b.start, b.length) for b in frame.rows]
+        out = pb.Frame(frame_id=frame.frame_id)
+        result = None
+        if segments:
+            if engine.is_first:
+                inputs = np.asarray(frame.token_ids, dtype=np.int64)
+            else:
+                rows = int(frame.hidden.shape[0])
+                inputs = np.frombuffer(frame.hidden.data, dtype="<f4").reshape(rows, engine.shape.hidden_size)
+            wanted, offset = [], 0
+            for block in frame.rows:
+                offset += block.length
+                if block.wants_token:
+                    wanted.append(offset - 1)
+            step = engine.step(segments, inputs, np.array(wanted, dtype=np.int64) if engine.is_last else None)
+            if engine.is_last:
+                result = self._sample(frame, step.logits)
+            else:
+                hidden = np.ascontiguousarray(step.hidden, dtype="<f4")
+                out.hidden.shape.extend(hidden.shape)
+                out.hidden.data = hidden.tobytes()
+        for stream in frame.closes:
+            engine.close(stream)
+            self.samplers.pop(stream, None)
+        if engine.is_last:
+            return result or pb.FrameResult(frame_id=frame.frame_id)
+        out.opens.extend(frame.opens)
+        out.rows.extend(frame.rows)
+        out.closes.extend(frame.closes)
+        out.rewinds.extend(frame.rewinds)
+        return out
+
+    def _sample(self, frame, logits: np.ndarray):
+        result = pb.FrameResult(frame_id=frame.frame_id)
+        k = 0
+        for block in frame.rows:
+            if not block.wants_token:
+                continue
+            sampler = self.samplers[block.stream]
+            row = logits[k]
+            k += 1
+            token = choose(row, sampler.params, sampler.rng)
+            logprobs = log_softmax(row)
+            sampled = pb.SampledToken(stream=block.stream, token=token, logprob=float(logprobs[token]))
+            if sampler.top_logprobs:
+                best = np.argsort(-logprobs, kind="stable")[: sampler.top_logprobs]
+                sampled.top.extend(pb.TopLogprob(token=int(t), logprob=float(logprobs[t])) for t in best)
+            result.tokens.append(sampled)
+        return result
+
+    async def _pass_on(self, out) -> None:
+        try:
+            if self.engine.is_last:
+                if isinstance(out, pb.Frame):  # an earlier stage's error
+                    out = pb.FrameResult(frame_id=out.frame_id, error=out.error, failed_stage=out.failed_stage)
+                await self.collector_stub.Deliver(out, timeout=30)
+            else:
+                await self.next_stub.Submit(out, timeout=30)
+        except grpc.aio.AioRpcError as exc:
+            log.error("frame %s could not be passed on: %s", out.frame_id, exc.details())
+
+
+async def serve(
+    engine: StageEngine, stage: int, listen: str, next_addr: str | None, reply_to: str | None, context: int
+) -> None:
+    servicer = ShardServicer(engine, stage, context)
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    rpc.add_ShardServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+    server.add_insecure_port(listen)
+    await server.start()
+    target = next_addr or reply_to
+    channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+    if next_addr:
+        servicer.next_stub = rpc.ShardStub(channel)
+    else:
+        servicer.collector_stub = rpc.CollectorStub(channel)
+    worker = asyncio.create_task(servicer.run())
+    # ready means: weights loaded (the engine exists) and the next hop answers
+    await channel.channel_ready()
+    await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
+    log.info("stage %d serving layers %d:%d on %s", stage, engine.start_layer, engine.end_layer, listen)
+    try:
+        await server.wait_for_termination()
+    finally:
+        worker.cancel()
+        await server.stop(grace=2)
+        await channel.close()
+
+
+async def _set_health(servicer, status) -> None:
+    result = servicer.set("", status)
+    if asyncio.iscoroutine(result):
+        await result

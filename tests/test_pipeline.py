@@ -1,0 +1,160 @@
+"""The chain across real shard processes, with real gRPC over loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from cascadia.engine.engine import StageEngine
+from cascadia.engine.generate import generate
+from cascadia.engine.sampling import SamplingParams
+from cascadia.engine.settings import EngineSettings
+from cascadia.model.checkpoint import load_stage
+from cascadia.model.config import load_shape
+from cascadia.router.local import LocalFleet
+from cascadia.router.pipeline import PipelineDriver, RequestFailed
+from cascadia.router.scheduler import Request, SchedulerConfig
+from cascadia.shard.service import pb, rpc
+
+pytestmark = pytest.mark.slow
+
+
+def prompts(count: int, seed: int = 0) -> list[Request]:
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 40, size=count)
+    return [
+        Request(f"r{i}", tuple(int(t) for t in rng.integers(3, 500, size=n)), SamplingParams(max_tokens=8))
+        for i, n in enumerate(lengths)
+    ]
+
+
+@pytest.fixture(scope="module")
+def solo(tiny):
+    engine = StageEngine(load_stage(tiny, 0, load_shape(tiny).num_layers), EngineSettings())
+    return lambda r: generate(engine, r.prompt, r.params, stream="solo").token_ids
+
+
+async def run_fleet(fleet: LocalFleet, requests: list[Request], config: SchedulerConfig | None = None):
+    driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, config or SchedulerConfig(stages=fleet.shards))
+    await driver.start()
+    try:
+        await driver.wait_ready(timeout=120)
+        results = await asyncio.gather(*(driver.generate(r) for r in requests), return_exceptions=True)
+        return driver, results
+    finally:
+        await driver.stop()
+
+
+@pytest.fixture
+def fleet_of(tiny, tmp_path):
+    fleets = []
+
+    def make(shards: int) -> LocalFleet:
+        fleet = LocalFleet(tiny, shards)
+        fleet.start(log_dir=tmp_path)
+        fleets.append(fleet)
+        return fleet
+
+    yield make
+    for fleet in fleets:
+        fleet.stop()
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3, 4])
+def test_a_chain_of_n_stages_gives_the_single_process_ids(fleet_of, solo, shards):
+    requests = prompts(6, seed=shards)
+    _, results = asyncio.run(run_fleet(fleet_of(shards), requests))
+    assert [r.tokens for r in results] == [solo(r) for r in requests]
+
+
+def test_sixty_four_concurrent_streams_each_get_the_ids_they_get_alone(fleet_of, solo):
+    requests = prompts(64, seed=11)
+    _, results = asyncio.run(run_fleet(fleet_of(3), requests))
+    assert [r.tokens for r in results] == [solo(r) for r in requests]
+
+
+def test_malformed_frames_are_refused_and_the_shard_keeps_serving(fleet_of, solo):
+    fleet = fleet_of(2)
+    requests = prompts(2, seed=3)
+
+    async def go():
+        driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, SchedulerConfig(stages=2))
+        await driver.start()
+        await driver.wait_ready()
+        bad_frames = {
+            "unknown stream": (
+                0,
+                pb.Frame(frame_id=1, rows=[pb.RowBlock(stream="x", start=0, length=1)], token_ids=[5]),
+            ),
+            "position gap": (
+                0,
+                pb.Frame(
+                    frame_id=2,
+                    opens=[pb.StreamOpen(stream="g")],
+                    rows=[pb.RowBlock(stream="g", start=3, length=1)],
+                    token_ids=[5],
+                ),
+            ),
+            "token ids": (
+                0,
+                pb.Frame(
+                    frame_id=3,
+                    opens=[pb.StreamOpen(stream="t")],
+                    rows=[pb.RowBlock(stream="t", start=0, length=2)],
+                    token_ids=[5],
+                ),
+            ),
+            "hidden rows": (
+                1,
+                pb.Frame(
+                    frame_id=4,
+                    opens=[pb.StreamOpen(stream="h")],
+                    rows=[pb.RowBlock(stream="h", start=0, length=1)],
+                    hidden=pb.Tensor(shape=[1, 3], data=b"\0" * 12),
+                ),
+            ),
+        }
+        errors = {}
+        for name, (stage, frame) in bad_frames.items():
+            async with grpc.aio.insecure_channel(fleet.stage_addrs[stage]) as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await rpc.ShardStub(channel).Submit(frame, timeout=5)
+                errors[name] = info.value
+        results = [await driver.generate(r) for r in requests]
+        await driver.stop()
+        return errors, results
+
+    errors, results = asyncio.run(go())
+    for name, error in errors.items():
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+    assert "position gap" in errors["position gap"].details()
+    assert "expected (1, 64) FP32" in errors["hidden rows"].details()
+    assert [r.tokens for r in results] == [solo(r) for r in requests]
+
+
+def test_a_killed_middle_shard_fails_its_requests_within_seconds_naming_the_stage(fleet_of):
+    fleet = fleet_of(3)
+    long = [Request(f"k{i}", (1, 2, 3), SamplingParams(max_tokens=100_000 // 100)) for i in range(4)]
+
+    async def go():
+        driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, SchedulerConfig(stages=3), frame_timeout=20)
+        await driver.start()
+        await driver.wait_ready()
+        tasks = [asyncio.ensure_future(driver.generate(r)) for r in long]
+        await asyncio.sleep(1.0)
+        fleet.kill(1)
+        killed_at = time.monotonic()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        elapsed = time.monotonic() - killed_at
+        await driver.stop()
+        return results, elapsed
+
+    results, elapsed = asyncio.run(go())
+    assert all(isinstance(r, RequestFailed) for r in results)
+    assert all("stage 1" in str(r) for r in results), [str(r) for r in results]
+    assert elapsed < 10
+    assert fleet.dead() == [(1, -9)]
