@@ -271,6 +271,98 @@ def shard(
     asyncio.run(main_task())
 
 
+@app.command()
+def router(
+    listen: Annotated[str, typer.Option(help="Address of the router's gRPC API.")],
+    stages: Annotated[str, typer.Option(help="Comma-separated stage addresses, first stage first.")],
+    collect: Annotated[str, typer.Option(help="Address the last stage delivers tokens to (--reply-to).")],
+    rows_per_group: Annotated[int, typer.Option(min=1)] = 8,
+    prefill_window: Annotated[int, typer.Option(min=1)] = 8,
+    max_streams: Annotated[int, typer.Option(min=1)] = 176,
+    max_queue: Annotated[int, typer.Option(min=0)] = 1024,
+    frame_timeout: Annotated[float, typer.Option(min=0.1, help="Seconds before a frame counts as lost.")] = 30.0,
+) -> None:
+    """Admission, pipeline groups and sampling parameters over a chain of shards."""
+    import asyncio
+    import contextlib
+    import logging
+    import signal
+
+    from cascadia.router.pipeline import PipelineDriver
+    from cascadia.router.scheduler import SchedulerConfig
+    from cascadia.router.service import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    addrs = [a for a in stages.split(",") if a]
+    if not addrs:
+        raise fail("--stages is empty")
+    config = SchedulerConfig(len(addrs), rows_per_group, prefill_window, max_streams, max_queue)
+    driver = PipelineDriver(addrs, collect, config, frame_timeout)
+
+    async def main_task() -> None:
+        task = asyncio.ensure_future(serve(driver, listen))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main_task())
+
+
+@app.command()
+def up(
+    model: Annotated[str, typer.Option(help="Checkpoint directory.")] = "models/tiny",
+    shards: Annotated[int, typer.Option(min=1)] = 3,
+    port: Annotated[int, typer.Option(help="Port of the router's gRPC API.")] = 50051,
+    precision: Annotated[str, typer.Option(help="f32, bf16, f16, int8 or int4")] = "f32",
+) -> None:
+    """The whole fleet on this machine: shard processes and the router, until Ctrl-C."""
+    import subprocess
+    import time
+
+    from cascadia.router.local import LocalFleet, local_ranges
+
+    model_dir = resolve_model(model)
+    try:
+        local_ranges(model_dir, shards)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    fleet = LocalFleet(model_dir, shards, precision)
+    fleet.start()
+    router_cmd = [
+        sys.executable,
+        "-m",
+        "cascadia.cli",
+        "router",
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--stages",
+        ",".join(fleet.stage_addrs),
+        "--collect",
+        fleet.reply_addr,
+    ]
+    router_proc = subprocess.Popen(router_cmd)
+    err.print(f"{shards} shards on {', '.join(fleet.stage_addrs)}; router API on 127.0.0.1:{port} (Ctrl-C stops)")
+    code = 0
+    try:
+        while True:
+            dead = fleet.dead()
+            if dead or router_proc.poll() is not None:
+                err.print(f"[red]a fleet process exited:[/red] shards {dead}, router {router_proc.poll()}")
+                code = 1
+                break
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        err.print("stopping")
+    finally:
+        if router_proc.poll() is None:
+            router_proc.terminate()
+            router_proc.wait(10)
+        fleet.stop()
+    raise typer.Exit(code)
+
+
 def _tokenizer(model_dir: Path):
     path = model_dir / "tokenizer.json"
     if not path.is_file():

@@ -5,6 +5,7 @@ The generated modules are never committed: they are rebuilt whenever the .proto 
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib
 import sys
@@ -23,8 +24,6 @@ def _digest(files: list[Path]) -> str:
 
 
 def build() -> Path:
-    from grpc_tools import protoc
-
     files = sorted(PROTO_ROOT.rglob("*.proto"))
     if not files:
         raise RuntimeError(f"no .proto files under {PROTO_ROOT}")
@@ -33,7 +32,19 @@ def build() -> Path:
     if stamp.is_file() and stamp.read_text() == digest:
         return OUT_DIR
     OUT_DIR.mkdir(parents=True, exist_ok=True)
+    # several shard processes may start at once: one builds, the others wait for it
+    with open(OUT_DIR / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if stamp.is_file() and stamp.read_text() == digest:
+            return OUT_DIR
+        _compile(files)
+        stamp.write_text(digest)
+    return OUT_DIR
+
+
+def _compile(files: list[Path]) -> None:
     import grpc_tools
+    from grpc_tools import protoc
 
     include = Path(grpc_tools.__file__).parent / "_proto"
     # files are compiled from their own folder so the modules are `fleet_pb2`, not `cascadia.v1.*`
@@ -41,8 +52,6 @@ def build() -> Path:
     args = ["protoc", f"-I{files[0].parent}", f"-I{include}", f"--python_out={OUT_DIR}", f"--grpc_python_out={OUT_DIR}"]
     if protoc.main([*args, *(f.name for f in files)]) != 0:
         raise RuntimeError("protoc failed on " + ", ".join(map(str, files)))
-    stamp.write_text(digest)
-    return OUT_DIR
 
 
 def load() -> tuple[ModuleType, ModuleType]:

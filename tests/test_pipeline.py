@@ -158,3 +158,73 @@ def test_a_killed_middle_shard_fails_its_requests_within_seconds_naming_the_stag
     assert all("stage 1" in str(r) for r in results), [str(r) for r in results]
     assert elapsed < 10
     assert fleet.dead() == [(1, -9)]
+
+
+def test_router_process_streams_tokens_cancels_and_reports_stats(fleet_of, solo, tmp_path):
+    import subprocess
+    import sys
+
+    from cascadia.router.local import free_port
+
+    fleet = fleet_of(2)
+    port = free_port()
+    router = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "cascadia.cli",
+            "router",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--stages",
+            ",".join(fleet.stage_addrs),
+            "--collect",
+            fleet.reply_addr,
+            "--max-queue",
+            "50",
+        ],
+        stdout=open(tmp_path / "router.log", "w"),  # noqa: SIM115 (the process outlives this scope)
+        stderr=subprocess.STDOUT,
+    )
+    request = prompts(1, seed=9)[0]
+
+    async def go():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = rpc.RouterStub(channel)
+            for _ in range(200):
+                try:
+                    stats = await stub.Stats(pb.StatsRequest(), timeout=1)
+                    if all(stats.stage_serving) and stats.stage_serving:
+                        break
+                except grpc.aio.AioRpcError:
+                    pass
+                await asyncio.sleep(0.2)
+            tokens = [
+                e.token
+                async for e in stub.Generate(
+                    pb.GenerateRequest(request_id="one", prompt_ids=request.prompt, max_tokens=8), timeout=60
+                )
+            ]
+            # a client that goes away mid-stream frees its stream on every stage
+            call = stub.Generate(pb.GenerateRequest(request_id="two", prompt_ids=[1, 2, 3], max_tokens=900), timeout=60)
+            await call.read()
+            call.cancel()
+            for _ in range(50):
+                stats = await stub.Stats(pb.StatsRequest(), timeout=1)
+                if stats.active_streams == 0 and stats.frames_in_flight == 0:
+                    break
+                await asyncio.sleep(0.1)
+            with pytest.raises(grpc.aio.AioRpcError) as bad:
+                await stub.Generate(
+                    pb.GenerateRequest(request_id="bad", prompt_ids=[], max_tokens=4), timeout=10
+                ).read()
+            return tokens, stats, bad.value
+
+    try:
+        tokens, stats, bad = asyncio.run(go())
+    finally:
+        router.terminate()
+        router.wait(10)
+    assert tokens == solo(request)
+    assert stats.active_streams == 0 and stats.frames_in_flight == 0
+    assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt is empty" in bad.details()

@@ -32,6 +32,7 @@ class _Pending:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # Emitted, then None at the end
     error: str | None = None
     first_token_at: float | None = None
 
@@ -76,6 +77,7 @@ class PipelineDriver:
             states = await self.stage_health()
             if all(states):
                 self.scheduler.set_chain_ready(True)
+                await self.pump()
                 return
             if time.monotonic() > deadline:
                 missing = [i for i, ok in enumerate(states) if not ok]
@@ -102,25 +104,36 @@ class PipelineDriver:
         if self._server:
             await self._server.stop(grace=1)
 
-    async def generate(self, request: Request) -> _Pending:
+    async def submit(self, request: Request) -> _Pending:
+        """Queue a request (raises `Overloaded` when the queue is full); its events arrive on `.events`."""
+        if request.id in self._pending:
+            raise ValueError(f"request {request.id} is already running")
         pending = _Pending(request)
-        self._pending[request.id] = pending
         self.scheduler.submit(request)
-        await self._pump()
+        self._pending[request.id] = pending
+        await self.pump()
+        return pending
+
+    async def generate(self, request: Request) -> _Pending:
+        pending = await self.submit(request)
         await pending.done.wait()
         self._pending.pop(request.id, None)
         if pending.error:
             raise RequestFailed(pending.error)
         return pending
 
+    def release(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
+
     async def cancel(self, request_id: str) -> None:
         if self.scheduler.cancel(request_id):
             self._closes.append(request_id)
         pending = self._pending.get(request_id)
-        if pending:
+        if pending and not pending.done.is_set():
             pending.error = "cancelled"
             pending.done.set()
-        await self._pump()
+            pending.events.put_nowait(None)
+        await self.pump()
 
     def on_result(self, result) -> None:
         if result.frame_id == CLOSE_ONLY_FRAME:
@@ -133,7 +146,7 @@ class PipelineDriver:
             logprobs = {t.stream: t.logprob for t in result.tokens}
             for event in self.scheduler.on_frame_done(result.frame_id, tokens):
                 self._emit(event, logprobs.get(event.stream, 0.0))
-        task = asyncio.get_running_loop().create_task(self._pump())
+        task = asyncio.get_running_loop().create_task(self.pump())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -145,18 +158,21 @@ class PipelineDriver:
             pending.first_token_at = time.perf_counter()
         pending.tokens.append(event.token)
         pending.logprobs.append(logprob)
+        pending.events.put_nowait((event, logprob))
         if event.finished:
             self._closes.append(event.stream)
             pending.done.set()
+            pending.events.put_nowait(None)
 
     def _fail(self, streams: list[str], error: str) -> None:
         for stream in streams:
             pending = self._pending.get(stream)
-            if pending:
+            if pending and not pending.done.is_set():
                 pending.error = error
                 pending.done.set()
+                pending.events.put_nowait(None)
 
-    async def _pump(self) -> None:
+    async def pump(self) -> None:
         frames = self.scheduler.next_frames()
         if not frames and self._closes:
             await self._submit(pb.Frame(frame_id=CLOSE_ONLY_FRAME, closes=self._take_closes()), None)

@@ -1,0 +1,91 @@
+"""`cascadia router`: the gateway-facing gRPC API (Generate, Cancel, Stats, health) over a chain."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from cascadia.engine.sampling import SamplingParams
+from cascadia.router.pipeline import PipelineDriver
+from cascadia.router.scheduler import Overloaded, Request
+from cascadia.shard.service import CHANNEL_OPTIONS, pb, rpc
+
+log = logging.getLogger("cascadia.router")
+
+
+class RouterServicer(rpc.RouterServicer):
+    def __init__(self, driver: PipelineDriver) -> None:
+        self.driver = driver
+        self._ids = itertools.count()
+
+    async def Generate(self, request, context):
+        s = request.sampling
+        try:
+            params = SamplingParams(
+                temperature=s.temperature,
+                top_k=s.top_k,
+                top_p=s.top_p or 1.0,
+                seed=s.seed if s.has_seed else None,
+                max_tokens=request.max_tokens or 16,
+                stop_ids=frozenset(request.stop_ids),
+            )
+            rid = request.request_id or f"req-{next(self._ids)}"
+            pending = await self.driver.submit(Request(rid, tuple(request.prompt_ids), params))
+        except Overloaded as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            while True:
+                item = await pending.events.get()
+                if item is None:
+                    break
+                event, logprob = item
+                yield pb.GenerateEvent(token=event.token, logprob=logprob, finish_reason=event.finished or "")
+            if pending.error and pending.error != "cancelled":
+                await context.abort(grpc.StatusCode.UNAVAILABLE, pending.error)
+        finally:
+            if not pending.done.is_set():  # the client went away: free the stream on every stage
+                await self.driver.cancel(rid)
+            self.driver.release(rid)
+
+    async def Cancel(self, request, context):
+        await self.driver.cancel(request.request_id)
+        return pb.Ack()
+
+    async def Stats(self, request, context):
+        s = self.driver.scheduler
+        return pb.StatsReply(
+            active_streams=s.active,
+            queued_requests=s.queued,
+            frames_in_flight=s.in_flight,
+            stage_serving=await self.driver.stage_health(),
+        )
+
+
+async def serve(driver: PipelineDriver, listen: str) -> None:
+    await driver.start()
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    rpc.add_RouterServicer_to_server(RouterServicer(driver), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    server.add_insecure_port(listen)
+    await server.start()
+    log.info("router on %s, waiting for %d stages", listen, len(driver.stage_addrs))
+    try:
+        while True:  # readiness follows the whole chain
+            serving = all(await driver.stage_health())
+            driver.scheduler.set_chain_ready(serving)
+            if serving:
+                await driver.pump()  # requests queued while the chain was down go out now
+            status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+            await health_servicer.set("", status)
+            await asyncio.sleep(1.0)
+    finally:
+        await server.stop(grace=2)
+        await driver.stop()
