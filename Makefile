@@ -11,7 +11,7 @@ setup:
 
 run:
 	$(PYTHON) -m cascadia.cli model tiny models/tiny
-	$(PYTHON) -m cascadia.cli generate --model models/tiny --prompt "Hello" --max-tokens 16 --json
+	$(PYTHON) -m cascadia.cli generate --model models/tiny --shards 3 --prompt "Hello" --max-tokens 16 --json
 
 test:
 	$(PYTHON) -m pytest -q
@@ -26,3 +26,4 @@ format:
 
 bench:
 	$(PYTHON) -m cascadia.cli bench engine --out bench-out/engine
+	$(PYTHON) -m cascadia.cli bench fleet --out bench-out/fleet
