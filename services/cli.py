@@ -218,6 +218,22 @@ def _generate_on_fleet(model_dir: Path, shards: int, precision: str, ids: list[i
         fleet.stop()
 
 
+def run_until_signal(server) -> None:
+    """Run a server coroutine until SIGTERM or SIGINT, then let it stop gracefully."""
+    import asyncio
+    import signal
+
+    async def main_task() -> None:
+        task = asyncio.ensure_future(server)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main_task())
+
+
 @app.command()
 def shard(
     model: Annotated[str, typer.Option(help="Checkpoint directory.")],
@@ -231,9 +247,7 @@ def shard(
     context: Annotated[int | None, typer.Option(help="Global-layer positions per stream.")] = None,
 ) -> None:
     """Serve one contiguous layer range as a stage of the chain."""
-    import asyncio
     import logging
-    import signal
 
     from cascadia.engine.settings import PRECISION_PRESETS, preset
 
@@ -260,15 +274,7 @@ def shard(
         raise fail(str(exc)) from None
     from cascadia.shard.service import serve
 
-    async def main_task() -> None:
-        task = asyncio.ensure_future(serve(engine, stage, listen, next_addr, reply_to, settings.context))
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, task.cancel)
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-    asyncio.run(main_task())
+    run_until_signal(serve(engine, stage, listen, next_addr, reply_to, settings.context))
 
 
 @app.command()
@@ -283,10 +289,7 @@ def router(
     frame_timeout: Annotated[float, typer.Option(min=0.1, help="Seconds before a frame counts as lost.")] = 30.0,
 ) -> None:
     """Admission, pipeline groups and sampling parameters over a chain of shards."""
-    import asyncio
-    import contextlib
     import logging
-    import signal
 
     from cascadia.router.pipeline import PipelineDriver
     from cascadia.router.scheduler import SchedulerConfig
@@ -299,15 +302,7 @@ def router(
     config = SchedulerConfig(len(addrs), rows_per_group, prefill_window, max_streams, max_queue)
     driver = PipelineDriver(addrs, collect, config, frame_timeout)
 
-    async def main_task() -> None:
-        task = asyncio.ensure_future(serve(driver, listen))
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, task.cancel)
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-    asyncio.run(main_task())
+    run_until_signal(serve(driver, listen))
 
 
 @app.command()
@@ -486,6 +481,31 @@ def plan(
     for c, v in floor.items():
         floor_table.add_row(str(c), f"{v:.1f}")
     Console().print(floor_table)
+
+
+@bench_app.command("fleet")
+def bench_fleet(
+    model: Annotated[Path | None, typer.Option(help="Checkpoint directory (default: the mini preset).")] = None,
+    out: Annotated[Path, typer.Option(help="Directory for JSON and PNG results.")] = Path("bench-out/fleet"),
+    shards: Annotated[str, typer.Option(help="Fleet sizes, comma separated.")] = "1,4",
+    streams: Annotated[str, typer.Option(help="Stream counts, comma separated.")] = "1,2,4,8,16,32,64,88",
+    new_tokens: Annotated[int, typer.Option(min=2)] = 16,
+    precision: Annotated[str, typer.Option()] = "f32",
+) -> None:
+    """Aggregate decode tok/s of local fleets against one process, and the per-hop cost on loopback."""
+    from cascadia.bench.engine import EngineBenchConfig, ensure_model
+    from cascadia.bench.fleet import FleetBenchConfig, run_fleet_bench
+
+    model_dir = ensure_model(EngineBenchConfig(model=model, out=Path("bench-out/engine")), err)
+    config = FleetBenchConfig(
+        model=model_dir,
+        out=out,
+        shards=tuple(int(x) for x in shards.split(",") if x),
+        streams=tuple(int(x) for x in streams.split(",") if x),
+        new_tokens=new_tokens,
+        precision=precision,
+    )
+    sys.stdout.write(json.dumps(run_fleet_bench(config, err), indent=2) + "\n")
 
 
 def main() -> None:

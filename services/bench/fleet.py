@@ -1,0 +1,146 @@
+"""`cascadia bench fleet`: the chain against one process, and the cost of one hop on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+from rich.console import Console
+
+from cascadia.engine.sampling import SamplingParams
+from cascadia.model.config import load_shape
+from cascadia.router.local import LocalFleet, free_port
+from cascadia.router.pipeline import PipelineDriver
+from cascadia.router.scheduler import Request, SchedulerConfig
+from cascadia.shard.service import CHANNEL_OPTIONS, pb, rpc
+
+
+@dataclass(frozen=True)
+class FleetBenchConfig:
+    model: Path
+    out: Path
+    shards: tuple[int, ...] = (1, 4)
+    streams: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 88)
+    prompt_tokens: int = 16
+    new_tokens: int = 16
+    rows_per_group: int = 8
+    precision: str = "f32"
+
+
+class _Sink(rpc.ShardServicer):
+    async def Submit(self, frame, context):
+        return pb.Ack()
+
+
+async def hop_cost(rows: int = 8, hidden: int = 6144, repeats: int = 200) -> dict[str, float]:
+    """Median time to send one frame of rows x hidden FP32 to a server on loopback and get its ack."""
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    rpc.add_ShardServicer_to_server(_Sink(), server)
+    port = free_port()
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    data = np.random.default_rng(0).standard_normal((rows, hidden)).astype("<f4")
+    frame = pb.Frame(frame_id=1, hidden=pb.Tensor(shape=[rows, hidden], data=data.tobytes()))
+    frame.rows.extend(pb.RowBlock(stream=f"s{i}", start=100, length=1) for i in range(rows))
+    times = []
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) as channel:
+        stub = rpc.ShardStub(channel)
+        for i in range(repeats + 10):
+            start = time.perf_counter()
+            await stub.Submit(frame)
+            if i >= 10:
+                times.append(time.perf_counter() - start)
+    await server.stop(0)
+    return {"rows": rows, "hidden": hidden, "bytes": data.nbytes, "median_ms": statistics.median(times) * 1e3}
+
+
+async def _fleet_round(driver: PipelineDriver, streams: int, config: FleetBenchConfig, seed: int) -> dict[str, float]:
+    rng = np.random.default_rng(seed)
+    vocab = load_shape(config.model).unpadded_vocab_size
+    requests = [
+        Request(
+            f"b{seed}-{i}",
+            tuple(int(t) for t in rng.integers(3, vocab, size=config.prompt_tokens)),
+            SamplingParams(max_tokens=config.new_tokens),
+        )
+        for i in range(streams)
+    ]
+    start = time.perf_counter()
+    results = await asyncio.gather(*(driver.generate(r) for r in requests))
+    end = time.perf_counter()
+    first = [r.first_token_at - start for r in results]
+    decode_start = max(r.first_token_at for r in results)
+    decoded = sum(len(r.tokens) - 1 for r in results)
+    return {
+        "phase_tokens_per_s": sum(len(r.tokens) for r in results) / (end - start),
+        "decode_tokens_per_s": decoded / (end - min(r.first_token_at for r in results)),
+        "ttft_median_s": statistics.median(first),
+        "last_first_token_s": decode_start - start,
+    }
+
+
+async def _run_fleet(fleet: LocalFleet, config: FleetBenchConfig, console: Console) -> dict[str, Any]:
+    sched = SchedulerConfig(stages=fleet.shards, rows_per_group=config.rows_per_group, prefill_window=8)
+    driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, sched, frame_timeout=600)
+    await driver.start()
+    try:
+        await driver.wait_ready(timeout=900)
+        await _fleet_round(driver, 1, config, seed=999)  # warm-up
+        out = {}
+        for n in config.streams:
+            with console.status(f"{fleet.shards} shard(s): {n} streams"):
+                out[str(n)] = await _fleet_round(driver, n, config, seed=n)
+            console.print(f"{fleet.shards} shard(s) {n:3d} streams: {out[str(n)]['decode_tokens_per_s']:.1f} tok/s")
+        return out
+    finally:
+        await driver.stop()
+
+
+def run_fleet_bench(config: FleetBenchConfig, console: Console) -> dict[str, Any]:
+    config.out.mkdir(parents=True, exist_ok=True)
+    summary: dict[str, Any] = {"model": str(config.model), "hop": asyncio.run(hop_cost()), "fleets": {}}
+    console.print(f"one hop of 8 x 6144 FP32 on loopback: {summary['hop']['median_ms']:.3f} ms")
+    for shards in config.shards:
+        fleet = LocalFleet(config.model, shards, config.precision)
+        fleet.start(log_dir=config.out)
+        try:
+            summary["fleets"][str(shards)] = asyncio.run(_run_fleet(fleet, config, console))
+        finally:
+            fleet.stop()
+    if "1" in summary["fleets"]:
+        base = summary["fleets"]["1"]
+        for results in summary["fleets"].values():
+            for n, r in results.items():
+                r["pipeline_efficiency"] = r["decode_tokens_per_s"] / base[n]["decode_tokens_per_s"]
+    (config.out / "fleet.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _plot(summary, config.out / "fleet.png")
+    return summary
+
+
+def _plot(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for shards, results in summary["fleets"].items():
+        counts = [int(n) for n in results]
+        ax.plot(
+            counts, [results[str(n)]["decode_tokens_per_s"] for n in counts], marker="o", label=f"{shards} shard(s)"
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("aggregate decode tokens / s")
+    ax.set_title("Local fleet on one machine (stages share 2 cores)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
