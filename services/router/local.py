@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -54,7 +53,6 @@ class LocalFleet:
     def start(self, log_dir: Path | None = None) -> None:
         ranges = local_ranges(self.model, self.shards)
         self.ports = [free_port() for _ in ranges]
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         for i, (start, end) in enumerate(ranges):
             hop = ["--next", self.stage_addrs[i + 1]] if i + 1 < len(ranges) else ["--reply-to", self.reply_addr]
             cmd = [
@@ -75,7 +73,7 @@ class LocalFleet:
                 *hop,
             ]
             out = open(log_dir / f"shard-{i}.log", "w") if log_dir else subprocess.DEVNULL  # noqa: SIM115
-            self.processes.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env))
+            self.processes.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT))
 
     def dead(self) -> list[tuple[int, int]]:
         """(stage, exit code) of every shard process that has exited."""
