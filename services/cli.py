@@ -489,7 +489,7 @@ def bench_fleet(
     out: Annotated[Path, typer.Option(help="Directory for JSON and PNG results.")] = Path("bench-out/fleet"),
     shards: Annotated[str, typer.Option(help="Fleet sizes, comma separated.")] = "1,4",
     streams: Annotated[str, typer.Option(help="Stream counts, comma separated.")] = "1,2,4,8,16,32,64,88",
-    new_tokens: Annotated[int, typer.Option(min=2)] = 16,
+    new_tokens: Annotated[int, typer.Option(min=2)] = 32,
     precision: Annotated[str, typer.Option()] = "f32",
 ) -> None:
     """Aggregate decode tok/s of local fleets against one process, and the per-hop cost on loopback."""

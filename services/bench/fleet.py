@@ -29,7 +29,7 @@ class FleetBenchConfig:
     shards: tuple[int, ...] = (1, 4)
     streams: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 88)
     prompt_tokens: int = 16
-    new_tokens: int = 16
+    new_tokens: int = 32
     rows_per_group: int = 8
     precision: str = "f32"
 
@@ -76,11 +76,12 @@ async def _fleet_round(driver: PipelineDriver, streams: int, config: FleetBenchC
     results = await asyncio.gather(*(driver.generate(r) for r in requests))
     end = time.perf_counter()
     first = [r.first_token_at - start for r in results]
+    # steady decode: from the moment every stream has its first token, tokens still to come
     decode_start = max(r.first_token_at for r in results)
-    decoded = sum(len(r.tokens) - 1 for r in results)
+    after = sum(1 for r in results for t in r.token_times if t > decode_start)
     return {
         "phase_tokens_per_s": sum(len(r.tokens) for r in results) / (end - start),
-        "decode_tokens_per_s": decoded / (end - min(r.first_token_at for r in results)),
+        "decode_tokens_per_s": after / (end - decode_start) if after else 0.0,
         "ttft_median_s": statistics.median(first),
         "last_first_token_s": decode_start - start,
     }

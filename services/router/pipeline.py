@@ -35,6 +35,7 @@ class _Pending:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # Emitted, then None at the end
     error: str | None = None
     first_token_at: float | None = None
+    token_times: list[float] = field(default_factory=list)
 
 
 class _Collector(rpc.CollectorServicer):
@@ -154,8 +155,10 @@ class PipelineDriver:
         pending = self._pending.get(event.stream)
         if pending is None:
             return
+        now = time.perf_counter()
         if pending.first_token_at is None:
-            pending.first_token_at = time.perf_counter()
+            pending.first_token_at = now
+        pending.token_times.append(now)
         pending.tokens.append(event.token)
         pending.logprobs.append(logprob)
         pending.events.put_nowait((event, logprob))
