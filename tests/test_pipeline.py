@@ -228,3 +228,22 @@ def test_router_process_streams_tokens_cancels_and_reports_stats(fleet_of, solo,
     assert tokens == solo(request)
     assert stats.active_streams == 0 and stats.frames_in_flight == 0
     assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt is empty" in bad.details()
+
+
+def test_a_stream_past_its_context_budget_fails_naming_the_stage_and_the_chain_keeps_serving(fleet_of, solo):
+    fleet = fleet_of(2)
+    too_long = Request("long", tuple([5] * 1000), SamplingParams(max_tokens=100))
+    after = prompts(2, seed=21)
+
+    async def go():
+        driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, SchedulerConfig(stages=2))
+        await driver.start()
+        await driver.wait_ready()
+        with pytest.raises(RequestFailed, match=r"stage \d: .*context budget of 1024"):
+            await driver.generate(too_long)
+        results = [await driver.generate(r) for r in after]
+        await driver.stop()
+        return results
+
+    results = asyncio.run(go())
+    assert [r.tokens for r in results] == [solo(r) for r in after]

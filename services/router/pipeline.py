@@ -141,7 +141,9 @@ class PipelineDriver:
             return
         self._sent_at.pop(result.frame_id, None)
         if result.error:
-            self._fail(self.scheduler.on_frame_failed(result.frame_id), result.error)
+            failed = self.scheduler.on_frame_failed(result.frame_id)
+            self._closes.extend(failed)  # the other stages still hold their state
+            self._fail(failed, result.error)
         else:
             tokens = {t.stream: t.token for t in result.tokens}
             logprobs = {t.stream: t.logprob for t in result.tokens}
