@@ -274,7 +274,7 @@ def shard(
         raise fail(str(exc)) from None
     from cascadia.shard.service import serve
 
-    run_until_signal(serve(engine, stage, listen, next_addr, reply_to, settings.context))
+    run_until_signal(serve(engine, stage, listen, next_addr, reply_to))
 
 
 @app.command()

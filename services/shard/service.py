@@ -86,10 +86,9 @@ def check_frame(frame, expected: dict[str, int], is_first: bool, hidden_size: in
 
 
 class ShardServicer(rpc.ShardServicer):
-    def __init__(self, engine: StageEngine, stage: int, default_context: int) -> None:
+    def __init__(self, engine: StageEngine, stage: int) -> None:
         self.engine = engine
         self.stage = stage
-        self.default_context = default_context
         self.queue: asyncio.Queue = asyncio.Queue()
         self.expected: dict[str, int] = {}
         self.samplers: dict[str, _Sampler] = {}
@@ -206,15 +205,13 @@ class ShardServicer(rpc.ShardServicer):
             log.error("frame %s could not be passed on: %s", out.frame_id, exc.details())
 
 
-async def serve(
-    engine: StageEngine, stage: int, listen: str, next_addr: str | None, reply_to: str | None, context: int
-) -> None:
-    servicer = ShardServicer(engine, stage, context)
+async def serve(engine: StageEngine, stage: int, listen: str, next_addr: str | None, reply_to: str | None) -> None:
+    servicer = ShardServicer(engine, stage)
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     rpc.add_ShardServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+    health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     server.add_insecure_port(listen)
     await server.start()
     target = next_addr or reply_to
@@ -226,7 +223,7 @@ async def serve(
     worker = asyncio.create_task(servicer.run())
     # ready means: weights loaded (the engine exists) and the next hop answers
     await channel.channel_ready()
-    await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     log.info("stage %d serving layers %d:%d on %s", stage, engine.start_layer, engine.end_layer, listen)
     try:
         await server.wait_for_termination()
@@ -234,9 +231,3 @@ async def serve(
         worker.cancel()
         await server.stop(grace=2)
         await channel.close()
-
-
-async def _set_health(servicer, status) -> None:
-    result = servicer.set("", status)
-    if asyncio.iscoroutine(result):
-        await result
