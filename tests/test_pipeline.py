@@ -247,3 +247,67 @@ def test_a_stream_past_its_context_budget_fails_naming_the_stage_and_the_chain_k
 
     results = asyncio.run(go())
     assert [r.tokens for r in results] == [solo(r) for r in after]
+
+
+def test_requests_queued_while_a_shard_is_down_are_served_once_it_is_back(fleet_of, solo, tmp_path):
+    import subprocess
+    import sys
+
+    from cascadia.router.local import free_port
+
+    fleet = fleet_of(3)
+    port = free_port()
+    router = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "cascadia.cli",
+            "router",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--stages",
+            ",".join(fleet.stage_addrs),
+            "--collect",
+            fleet.reply_addr,
+        ],
+        stdout=open(tmp_path / "router.log", "w"),  # noqa: SIM115 (the process outlives this scope)
+        stderr=subprocess.STDOUT,
+    )
+    request = prompts(1, seed=4)[0]
+
+    async def wait_for(stub, serving: bool):
+        for _ in range(300):
+            try:
+                stats = await stub.Stats(pb.StatsRequest(), timeout=1)
+                if stats.stage_serving and all(stats.stage_serving) == serving:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.2)
+        raise AssertionError(f"chain never became serving={serving}")
+
+    async def go():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = rpc.RouterStub(channel)
+            await wait_for(stub, True)
+            fleet.kill(2)
+            await wait_for(stub, False)
+            await asyncio.sleep(1.5)  # the router's readiness loop closes admission
+            call = stub.Generate(
+                pb.GenerateRequest(request_id="q", prompt_ids=request.prompt, max_tokens=8), timeout=120
+            )
+            reader = asyncio.ensure_future(_collect(call))
+            await asyncio.sleep(1.0)
+            assert not reader.done()  # queued, not failed
+            fleet.restart(2)
+            return await reader
+
+    async def _collect(call):
+        return [e.token async for e in call]
+
+    try:
+        tokens = asyncio.run(go())
+    finally:
+        router.terminate()
+        router.wait(10)
+    assert tokens == solo(request)

@@ -51,29 +51,26 @@ class LocalFleet:
         return f"127.0.0.1:{self.reply_port}"
 
     def start(self, log_dir: Path | None = None) -> None:
-        ranges = local_ranges(self.model, self.shards)
-        self.ports = [free_port() for _ in ranges]
-        for i, (start, end) in enumerate(ranges):
-            hop = ["--next", self.stage_addrs[i + 1]] if i + 1 < len(ranges) else ["--reply-to", self.reply_addr]
-            cmd = [
-                sys.executable,
-                "-m",
-                "cascadia.cli",
-                "shard",
-                "--model",
-                str(self.model),
-                "--layers",
-                f"{start}:{end}",
-                "--listen",
-                self.stage_addrs[i],
-                "--stage",
-                str(i),
-                "--precision",
-                self.precision,
-                *hop,
-            ]
-            out = open(log_dir / f"shard-{i}.log", "w") if log_dir else subprocess.DEVNULL  # noqa: SIM115
-            self.processes.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT))
+        self._ranges = local_ranges(self.model, self.shards)
+        self._log_dir = log_dir
+        self.ports = [free_port() for _ in self._ranges]
+        self.processes = [self._spawn(i) for i in range(len(self._ranges))]
+
+    def _spawn(self, i: int) -> subprocess.Popen:
+        start, end = self._ranges[i]
+        last = i + 1 == len(self._ranges)
+        hop = ["--reply-to", self.reply_addr] if last else ["--next", self.stage_addrs[i + 1]]
+        cmd = [sys.executable, "-m", "cascadia.cli", "shard", "--model", str(self.model)]
+        cmd += ["--layers", f"{start}:{end}", "--listen", self.stage_addrs[i], "--stage", str(i)]
+        cmd += ["--precision", self.precision, *hop]
+        out = open(self._log_dir / f"shard-{i}.log", "a") if self._log_dir else subprocess.DEVNULL  # noqa: SIM115
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+
+    def restart(self, stage: int) -> None:
+        """Start a stage again on its old address (after it died or was killed)."""
+        if self.processes[stage].poll() is None:
+            raise RuntimeError(f"stage {stage} is still running")
+        self.processes[stage] = self._spawn(stage)
 
     def dead(self) -> list[tuple[int, int]]:
         """(stage, exit code) of every shard process that has exited."""
