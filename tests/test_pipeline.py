@@ -218,16 +218,26 @@ def test_router_process_streams_tokens_cancels_and_reports_stats(fleet_of, solo,
                 await stub.Generate(
                     pb.GenerateRequest(request_id="bad", prompt_ids=[], max_tokens=4), timeout=10
                 ).read()
-            return tokens, stats, bad.value
+            shard_stats = []
+            for addr in fleet.stage_addrs:  # every stage freed the finished and the cancelled stream
+                async with grpc.aio.insecure_channel(addr) as shard_channel:
+                    for _ in range(50):
+                        one = await rpc.ShardStub(shard_channel).Stats(pb.StatsRequest(), timeout=1)
+                        if one.open_streams == 0:
+                            break
+                        await asyncio.sleep(0.1)
+                    shard_stats.append(one)
+            return tokens, stats, bad.value, shard_stats
 
     try:
-        tokens, stats, bad = asyncio.run(go())
+        tokens, stats, bad, shard_stats = asyncio.run(go())
     finally:
         router.terminate()
         router.wait(10)
     assert tokens == solo(request)
     assert stats.active_streams == 0 and stats.frames_in_flight == 0
     assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt is empty" in bad.details()
+    assert [(s.open_streams, s.state_bytes) for s in shard_stats] == [(0, 0)] * len(fleet.stage_addrs)
 
 
 def test_a_stream_past_its_context_budget_fails_naming_the_stage_and_the_chain_keeps_serving(fleet_of, solo):

@@ -110,6 +110,14 @@ class ShardServicer(rpc.ShardServicer):
         await self.queue.put(frame)
         return pb.Ack()
 
+    async def Stats(self, request, context):
+        streams = self.engine.streams
+        return pb.ShardStats(
+            open_streams=len(streams),
+            state_bytes=sum(self.engine.stream_bytes(s) for s in streams),
+            queued_frames=self.queue.qsize(),
+        )
+
     async def run(self) -> None:
         while True:
             frame = await self.queue.get()
