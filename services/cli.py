@@ -313,7 +313,6 @@ def up(
     precision: Annotated[str, typer.Option(help="f32, bf16, f16, int8 or int4")] = "f32",
 ) -> None:
     """The whole fleet on this machine: shard processes and the router, until Ctrl-C."""
-    import subprocess
     import time
 
     from cascadia.router.local import LocalFleet, local_ranges
@@ -325,19 +324,7 @@ def up(
         raise fail(str(exc)) from None
     fleet = LocalFleet(model_dir, shards, precision)
     fleet.start()
-    router_cmd = [
-        sys.executable,
-        "-m",
-        "cascadia.cli",
-        "router",
-        "--listen",
-        f"127.0.0.1:{port}",
-        "--stages",
-        ",".join(fleet.stage_addrs),
-        "--collect",
-        fleet.reply_addr,
-    ]
-    router_proc = subprocess.Popen(router_cmd)
+    router_proc = fleet.start_router(port)
     err.print(f"{shards} shards on {', '.join(fleet.stage_addrs)}; router API on 127.0.0.1:{port} (Ctrl-C stops)")
     code = 0
     try:
@@ -351,9 +338,6 @@ def up(
     except KeyboardInterrupt:
         err.print("stopping")
     finally:
-        if router_proc.poll() is None:
-            router_proc.terminate()
-            router_proc.wait(10)
         fleet.stop()
     raise typer.Exit(code)
 

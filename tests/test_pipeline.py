@@ -161,31 +161,11 @@ def test_a_killed_middle_shard_fails_its_requests_within_seconds_naming_the_stag
 
 
 def test_router_process_streams_tokens_cancels_and_reports_stats(fleet_of, solo, tmp_path):
-    import subprocess
-    import sys
-
     from cascadia.router.local import free_port
 
     fleet = fleet_of(2)
     port = free_port()
-    router = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "cascadia.cli",
-            "router",
-            "--listen",
-            f"127.0.0.1:{port}",
-            "--stages",
-            ",".join(fleet.stage_addrs),
-            "--collect",
-            fleet.reply_addr,
-            "--max-queue",
-            "50",
-        ],
-        stdout=open(tmp_path / "router.log", "w"),  # noqa: SIM115 (the process outlives this scope)
-        stderr=subprocess.STDOUT,
-    )
+    fleet.start_router(port, tmp_path / "router.log", "--max-queue", "50")
     request = prompts(1, seed=9)[0]
 
     async def go():
@@ -229,11 +209,7 @@ def test_router_process_streams_tokens_cancels_and_reports_stats(fleet_of, solo,
                     shard_stats.append(one)
             return tokens, stats, bad.value, shard_stats
 
-    try:
-        tokens, stats, bad, shard_stats = asyncio.run(go())
-    finally:
-        router.terminate()
-        router.wait(10)
+    tokens, stats, bad, shard_stats = asyncio.run(go())
     assert tokens == solo(request)
     assert stats.active_streams == 0 and stats.frames_in_flight == 0
     assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt is empty" in bad.details()
@@ -260,29 +236,11 @@ def test_a_stream_past_its_context_budget_fails_naming_the_stage_and_the_chain_k
 
 
 def test_requests_queued_while_a_shard_is_down_are_served_once_it_is_back(fleet_of, solo, tmp_path):
-    import subprocess
-    import sys
-
     from cascadia.router.local import free_port
 
     fleet = fleet_of(3)
     port = free_port()
-    router = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "cascadia.cli",
-            "router",
-            "--listen",
-            f"127.0.0.1:{port}",
-            "--stages",
-            ",".join(fleet.stage_addrs),
-            "--collect",
-            fleet.reply_addr,
-        ],
-        stdout=open(tmp_path / "router.log", "w"),  # noqa: SIM115 (the process outlives this scope)
-        stderr=subprocess.STDOUT,
-    )
+    fleet.start_router(port, tmp_path / "router.log")
     request = prompts(1, seed=4)[0]
 
     async def wait_for(stub, serving: bool):
@@ -315,9 +273,5 @@ def test_requests_queued_while_a_shard_is_down_are_served_once_it_is_back(fleet_
     async def _collect(call):
         return [e.token async for e in call]
 
-    try:
-        tokens = asyncio.run(go())
-    finally:
-        router.terminate()
-        router.wait(10)
+    tokens = asyncio.run(go())
     assert tokens == solo(request)

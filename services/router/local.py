@@ -41,6 +41,7 @@ class LocalFleet:
     reply_port: int = field(default_factory=free_port)
     ports: list[int] = field(default_factory=list)
     processes: list[subprocess.Popen] = field(default_factory=list)
+    router: subprocess.Popen | None = None
 
     @property
     def stage_addrs(self) -> list[str]:
@@ -66,6 +67,14 @@ class LocalFleet:
         out = open(self._log_dir / f"shard-{i}.log", "a") if self._log_dir else subprocess.DEVNULL  # noqa: SIM115
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
 
+    def start_router(self, port: int, log: Path | None = None, *options: str) -> subprocess.Popen:
+        """`cascadia router` over this fleet's stages, its API on 127.0.0.1:port."""
+        cmd = [sys.executable, "-m", "cascadia.cli", "router", "--listen", f"127.0.0.1:{port}"]
+        cmd += ["--stages", ",".join(self.stage_addrs), "--collect", self.reply_addr, *options]
+        out = open(log, "w") if log else None  # noqa: SIM115 (the process outlives this call)
+        self.router = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None)
+        return self.router
+
     def restart(self, stage: int) -> None:
         """Start a stage again on its old address (after it died or was killed)."""
         if self.processes[stage].poll() is None:
@@ -81,11 +90,12 @@ class LocalFleet:
         self.processes[stage].wait()
 
     def stop(self, timeout: float = 10.0) -> None:
-        for p in self.processes:
+        everything = [*self.processes, *([self.router] if self.router else [])]
+        for p in everything:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        for p in self.processes:
+        for p in everything:
             try:
                 p.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
