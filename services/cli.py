@@ -306,38 +306,114 @@ def router(
 
 
 @app.command()
+def gateway(
+    router: Annotated[str, typer.Option(help="Address of the router's gRPC API.")],
+    model: Annotated[str, typer.Option(help="Checkpoint directory (tokenizer, chat template, limits).")],
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535)] = 8000,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="Model name clients ask for (default: the directory name).")
+    ] = None,
+    api_keys_file: Annotated[
+        Path | None, typer.Option(help="File of API keys, one per line (also $CASCADIA_API_KEYS).")
+    ] = None,
+    max_context: Annotated[
+        int, typer.Option(min=2, help="Positions per request: prompt plus generated tokens.")
+    ] = 1024,
+    max_prompt_tokens: Annotated[
+        int, typer.Option(min=0, help="Longest prompt accepted (0: the context less one).")
+    ] = 0,
+    max_concurrent_per_key: Annotated[
+        int, typer.Option(min=0, help="Requests in flight per API key (0: no limit).")
+    ] = 64,
+) -> None:
+    """The OpenAI-compatible REST API in front of a router."""
+    import logging
+
+    from cascadia.gateway.server import build_app, serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    model_dir = resolve_model(model)
+    if api_keys_file is not None and not api_keys_file.is_file():
+        raise fail(f"--api-keys-file {api_keys_file}: no such file")
+    name = served_model_name or model_dir.resolve().name
+    try:
+        app_ = build_app(router, model_dir, name, api_keys_file, max_context, max_prompt_tokens, max_concurrent_per_key)
+    except FileNotFoundError as exc:
+        raise fail(f"--model {model}: {exc}") from None
+    serve(app_, host, port)
+
+
+@app.command()
 def up(
     model: Annotated[str, typer.Option(help="Checkpoint directory.")] = "models/tiny",
     shards: Annotated[int, typer.Option(min=1)] = 3,
-    port: Annotated[int, typer.Option(help="Port of the router's gRPC API.")] = 50051,
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port of the OpenAI API.")] = 8000,
     precision: Annotated[str, typer.Option(help="f32, bf16, f16, int8 or int4")] = "f32",
+    router_port: Annotated[
+        int, typer.Option(min=0, max=65535, help="Port of the router's gRPC API (0: any free).")
+    ] = 0,
+    api_keys_file: Annotated[
+        Path | None, typer.Option(help="File of API keys, one per line (also $CASCADIA_API_KEYS).")
+    ] = None,
+    max_context: Annotated[
+        int, typer.Option(min=2, help="Positions per request: prompt plus generated tokens.")
+    ] = 1024,
+    log_dir: Annotated[Path | None, typer.Option(help="Write each process's log here.")] = None,
 ) -> None:
-    """The whole fleet on this machine: shard processes and the router, until Ctrl-C."""
+    """The whole fleet on this machine: shard processes, the router and the gateway, until Ctrl-C."""
+    import subprocess
     import time
 
-    from cascadia.router.local import LocalFleet, local_ranges
+    from cascadia.engine.settings import PRECISION_PRESETS
+    from cascadia.router.local import LocalFleet, free_port, local_ranges
 
     model_dir = resolve_model(model)
+    if precision not in PRECISION_PRESETS:
+        raise fail(f"--precision '{precision}' is not one of {', '.join(PRECISION_PRESETS)}")
+    if api_keys_file is not None and not api_keys_file.is_file():
+        raise fail(f"--api-keys-file {api_keys_file}: no such file")
     try:
         local_ranges(model_dir, shards)
     except ValueError as exc:
         raise fail(str(exc)) from None
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
     fleet = LocalFleet(model_dir, shards, precision)
-    fleet.start()
-    router_proc = fleet.start_router(port)
-    err.print(f"{shards} shards on {', '.join(fleet.stage_addrs)}; router API on 127.0.0.1:{port} (Ctrl-C stops)")
+    fleet.start(log_dir)
+    router_port = router_port or free_port()
+    router_proc = fleet.start_router(router_port, log_dir / "router.log" if log_dir else None)
+    cmd = [sys.executable, "-m", "cascadia.cli", "gateway", "--router", f"127.0.0.1:{router_port}"]
+    cmd += ["--model", str(model_dir), "--port", str(port), "--max-context", str(max_context)]
+    if api_keys_file is not None:
+        cmd += ["--api-keys-file", str(api_keys_file)]
+    gateway_log = open(log_dir / "gateway.log", "w") if log_dir else None  # noqa: SIM115
+    gateway_proc = subprocess.Popen(cmd, stdout=gateway_log, stderr=subprocess.STDOUT if gateway_log else None)
+    err.print(
+        f"{shards} shards on {', '.join(fleet.stage_addrs)}; router on 127.0.0.1:{router_port}; "
+        f"OpenAI API on http://127.0.0.1:{port}/v1 (Ctrl-C stops)"
+    )
     code = 0
     try:
         while True:
             dead = fleet.dead()
-            if dead or router_proc.poll() is not None:
-                err.print(f"[red]a fleet process exited:[/red] shards {dead}, router {router_proc.poll()}")
+            if dead or router_proc.poll() is not None or gateway_proc.poll() is not None:
+                err.print(
+                    f"[red]a fleet process exited:[/red] shards {dead}, router {router_proc.poll()}, "
+                    f"gateway {gateway_proc.poll()}"
+                )
                 code = 1
                 break
             time.sleep(0.5)
     except KeyboardInterrupt:
         err.print("stopping")
     finally:
+        if gateway_proc.poll() is None:
+            gateway_proc.terminate()
+            try:
+                gateway_proc.wait(10)
+            except subprocess.TimeoutExpired:
+                gateway_proc.kill()
         fleet.stop()
     raise typer.Exit(code)
 

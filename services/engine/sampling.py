@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+MAX_TOP_LOGPROBS = 20
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -15,6 +17,9 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 16
     stop_ids: frozenset[int] = field(default_factory=frozenset)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -25,6 +30,22 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty)
+
+
+def apply_penalties(logits: np.ndarray, counts: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """OpenAI's presence and frequency penalties over the tokens this stream has sampled so far."""
+    if not params.penalised:
+        return logits
+    return logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

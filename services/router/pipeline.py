@@ -32,7 +32,7 @@ class _Pending:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     done: asyncio.Event = field(default_factory=asyncio.Event)
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # Emitted, then None at the end
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # (Emitted, SampledToken), then None
     error: str | None = None
     first_token_at: float | None = None
     token_times: list[float] = field(default_factory=list)
@@ -145,15 +145,14 @@ class PipelineDriver:
             self._closes.extend(failed)  # the other stages still hold their state
             self._fail(failed, result.error)
         else:
-            tokens = {t.stream: t.token for t in result.tokens}
-            logprobs = {t.stream: t.logprob for t in result.tokens}
-            for event in self.scheduler.on_frame_done(result.frame_id, tokens):
-                self._emit(event, logprobs.get(event.stream, 0.0))
+            sampled = {t.stream: t for t in result.tokens}
+            for event in self.scheduler.on_frame_done(result.frame_id, {s: t.token for s, t in sampled.items()}):
+                self._emit(event, sampled[event.stream])
         task = asyncio.get_running_loop().create_task(self.pump())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _emit(self, event: Emitted, logprob: float) -> None:
+    def _emit(self, event: Emitted, sampled) -> None:
         pending = self._pending.get(event.stream)
         if pending is None:
             return
@@ -162,8 +161,8 @@ class PipelineDriver:
             pending.first_token_at = now
         pending.token_times.append(now)
         pending.tokens.append(event.token)
-        pending.logprobs.append(logprob)
-        pending.events.put_nowait((event, logprob))
+        pending.logprobs.append(sampled.logprob)
+        pending.events.put_nowait((event, sampled))
         if event.finished:
             self._closes.append(event.stream)
             pending.done.set()
@@ -199,6 +198,9 @@ class PipelineDriver:
                     top_p=params.top_p,
                     seed=params.seed or 0,
                     has_seed=params.seed is not None,
+                    top_logprobs=params.top_logprobs,
+                    presence_penalty=params.presence_penalty,
+                    frequency_penalty=params.frequency_penalty,
                 )
                 out.opens.append(pb.StreamOpen(stream=row.stream, sampling=sampling))
             out.rows.append(

@@ -32,6 +32,9 @@ class RouterServicer(rpc.RouterServicer):
                 seed=s.seed if s.has_seed else None,
                 max_tokens=request.max_tokens or 16,
                 stop_ids=frozenset(request.stop_ids),
+                presence_penalty=s.presence_penalty,
+                frequency_penalty=s.frequency_penalty,
+                top_logprobs=s.top_logprobs,
             )
             rid = request.request_id or f"req-{next(self._ids)}"
             pending = await self.driver.submit(Request(rid, tuple(request.prompt_ids), params))
@@ -44,8 +47,10 @@ class RouterServicer(rpc.RouterServicer):
                 item = await pending.events.get()
                 if item is None:
                     break
-                event, logprob = item
-                yield pb.GenerateEvent(token=event.token, logprob=logprob, finish_reason=event.finished or "")
+                event, sampled = item
+                yield pb.GenerateEvent(
+                    token=event.token, logprob=sampled.logprob, finish_reason=event.finished or "", top=sampled.top
+                )
             if pending.error and pending.error != "cancelled":
                 await context.abort(grpc.StatusCode.UNAVAILABLE, pending.error)
         finally:

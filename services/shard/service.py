@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine
-from cascadia.engine.sampling import SamplingParams, choose, log_softmax
+from cascadia.engine.sampling import SamplingParams, apply_penalties, choose, log_softmax
 from cascadia.protos import load
 
 pb, rpc = load()
@@ -35,7 +35,20 @@ class FrameRejected(ValueError):
 class _Sampler:
     params: SamplingParams
     rng: np.random.Generator
-    top_logprobs: int
+    counts: np.ndarray | None = None  # how often each token was sampled, for the penalties
+
+
+def sampling_params(s) -> SamplingParams:
+    """The last stage's share of a request's parameters (stop conditions stay with the router)."""
+    return SamplingParams(
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p or 1.0,
+        seed=s.seed if s.has_seed else None,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        top_logprobs=s.top_logprobs,
+    )
 
 
 def check_frame(frame, expected: dict[str, int], is_first: bool, hidden_size: int, vocab: int) -> dict[str, int]:
@@ -50,6 +63,10 @@ def check_frame(frame, expected: dict[str, int], is_first: bool, hidden_size: in
     for opened in frame.opens:
         if opened.stream in after:
             raise FrameRejected(f"stream '{opened.stream}' is already open")
+        try:
+            sampling_params(opened.sampling)
+        except ValueError as exc:
+            raise FrameRejected(f"stream '{opened.stream}': {exc}") from None
         after[opened.stream] = 0
     rows = 0
     seen = set()
@@ -146,10 +163,8 @@ class ShardServicer(rpc.ShardServicer):
         for opened in frame.opens:
             engine.open(opened.stream, opened.context or None)
             if engine.is_last:
-                s = opened.sampling
-                params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0)
-                seed = s.seed if s.has_seed else None
-                self.samplers[opened.stream] = _Sampler(params, np.random.default_rng(seed), s.top_logprobs)
+                params = sampling_params(opened.sampling)
+                self.samplers[opened.stream] = _Sampler(params, np.random.default_rng(params.seed))
         segments = [Segment(b.stream, b.start, b.length) for b in frame.rows]
         out = pb.Frame(frame_id=frame.frame_id)
         result = None
@@ -190,13 +205,20 @@ class ShardServicer(rpc.ShardServicer):
             if not block.wants_token:
                 continue
             sampler = self.samplers[block.stream]
+            params = sampler.params
             row = logits[k]
             k += 1
-            token = choose(row, sampler.params, sampler.rng)
+            if params.penalised:
+                if sampler.counts is None:
+                    sampler.counts = np.zeros(row.shape[-1], dtype=np.float32)
+                row = apply_penalties(row, sampler.counts, params)
+            token = choose(row, params, sampler.rng)
+            if sampler.counts is not None:
+                sampler.counts[token] += 1
             logprobs = log_softmax(row)
             sampled = pb.SampledToken(stream=block.stream, token=token, logprob=float(logprobs[token]))
-            if sampler.top_logprobs:
-                best = np.argsort(-logprobs, kind="stable")[: sampler.top_logprobs]
+            if params.top_logprobs:
+                best = np.argsort(-logprobs, kind="stable")[: params.top_logprobs]
                 sampled.top.extend(pb.TopLogprob(token=int(t), logprob=float(logprobs[t])) for t in best)
             result.tokens.append(sampled)
         return result

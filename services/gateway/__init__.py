@@ -1,0 +1,1 @@
+"""The OpenAI-compatible REST gateway in front of the router."""

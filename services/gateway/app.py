@@ -1,0 +1,515 @@
+"""The FastAPI app: OpenAI completions and chat completions (JSON or SSE), models, health, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import grpc
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from cascadia.engine.sampling import SamplingParams
+from cascadia.gateway.auth import ConcurrencyLimiter, KeyRing
+from cascadia.gateway.errors import ApiError, bad_request, error_body
+from cascadia.gateway.generation import Delta, Generation, TokenLogprob
+from cascadia.gateway.metrics import GatewayMetrics
+from cascadia.gateway.router_client import RouterClient
+from cascadia.gateway.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChoiceLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+    TopLogprob,
+    Usage,
+    error_responses,
+)
+from cascadia.gateway.schemas import TokenLogprob as TokenLogprobBody
+from cascadia.gateway.text import TemplateFailed, TextCodec
+
+log = logging.getLogger("cascadia.gateway")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    model_name: str
+    vocab_size: int  # ids at or above it are rejected before they reach a shard
+    max_context: int = 1024  # positions a stream may use: prompt plus generated tokens
+    max_prompt_tokens: int = 0  # 0: max_context - 1
+    max_concurrent_per_key: int = 64  # 0: no limit
+
+    @property
+    def prompt_limit(self) -> int:
+        return self.max_prompt_tokens or self.max_context - 1
+
+
+class RequestCounter:
+    """Counts responses by route and status (a plain ASGI middleware, so streams pass through untouched)."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                route = scope.get("route")
+                self.metrics.requests.labels(getattr(route, "path", "unmatched"), str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+def authenticated(
+    request: Request, authorization: Annotated[str | None, Header(include_in_schema=False)] = None
+) -> str:
+    """The caller's key id (401 without a valid key, unless the gateway runs open)."""
+    return request.app.state.gateway.keys.authenticate(authorization)
+
+
+Key = Annotated[str, Depends(authenticated)]
+
+
+def _param_name(location: tuple) -> str | None:
+    parts = [str(p) for p in location if p != "body"]
+    return ".".join(parts) or None
+
+
+@dataclass
+class Gateway:
+    config: GatewayConfig
+    router: RouterClient
+    codec: TextCodec
+    keys: KeyRing
+    metrics: GatewayMetrics
+    limiter: ConcurrencyLimiter
+
+    def check_model(self, name: str) -> None:
+        if name != self.config.model_name:
+            raise ApiError(
+                404,
+                f"The model '{name}' does not exist; this gateway serves '{self.config.model_name}'.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_prompt(self, ids: list[int], max_tokens: int | None, param: str) -> int:
+        """The number of tokens to generate, after the prompt and context limits (400 / 413)."""
+        cfg = self.config
+        bad = [t for t in ids if t >= cfg.vocab_size]
+        if bad:
+            raise bad_request(f"Token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size}).", param)
+        if len(ids) > cfg.prompt_limit:
+            raise bad_request(
+                f"The prompt has {len(ids)} tokens; the limit (max_prompt_tokens) is {cfg.prompt_limit}.",
+                param,
+                "prompt_too_long",
+            )
+        room = cfg.max_context - len(ids)
+        wanted = room if max_tokens is None else max_tokens
+        if wanted > room or room < 1:
+            raise ApiError(
+                413,
+                f"This model's context (max_context) is {cfg.max_context} tokens; the prompt has {len(ids)} and "
+                f"{wanted} more were asked for.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return wanted
+
+    def sampling(self, body: SamplingFields, max_tokens: int, top_logprobs: int) -> SamplingParams:
+        return SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_k=body.top_k or 0,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            seed=body.seed,
+            max_tokens=max_tokens,
+            stop_ids=self.codec.stop_token_ids,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            top_logprobs=top_logprobs,
+        )
+
+    def generation(
+        self, prefix: str, prompt: list[int], params: SamplingParams, body: SamplingFields, logprobs: bool
+    ) -> Generation:
+        self.metrics.prompt_tokens.inc(len(prompt))
+        return Generation(
+            self.router,
+            self.codec,
+            f"{prefix}-{uuid.uuid4().hex}",
+            prompt,
+            params,
+            body.stop_strings,
+            self.metrics,
+            wants_logprobs=logprobs,
+        )
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _run_watched(request: Request, generation: Generation) -> None:
+    """Run a non-streaming generation; stop it on the router if the client disconnects."""
+    work = asyncio.ensure_future(generation.run())
+    watch = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            generation.abort()
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            raise ApiError(499, "The client closed the connection.", code="client_disconnected")
+        work.result()
+    finally:
+        watch.cancel()
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+async def _stream(
+    request: Request,
+    generation: Generation,
+    chunks: Callable[[Delta], dict | None],
+    usage_chunk: Callable[[], dict] | None,
+    release: Callable[[], None],
+    metrics: GatewayMetrics,
+) -> AsyncIterator[str]:
+    watch = asyncio.ensure_future(_wait_for_disconnect(request))
+    watch.add_done_callback(lambda task: None if task.cancelled() else generation.abort())
+    try:
+        async for delta in generation.deltas():
+            chunk = chunks(delta)
+            if chunk is not None:
+                yield _sse(chunk)
+        if usage_chunk is not None:
+            yield _sse(usage_chunk())
+        yield "data: [DONE]\n\n"
+    except ApiError as exc:  # headers are sent: the error travels as an event
+        metrics.errors.labels(exc.code or exc.type).inc()
+        yield _sse(error_body(exc))
+    except asyncio.CancelledError:
+        metrics.errors.labels("client_disconnected").inc()
+        raise
+    finally:
+        watch.cancel()
+        release()
+
+
+def _usage(generation: Generation) -> Usage:
+    prompt, completion = len(generation.prompt), generation.completion_tokens
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _token_bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8", errors="replace"))
+
+
+def _chat_logprobs(tokens: list[TokenLogprob]) -> ChoiceLogprobs:
+    content = [
+        TokenLogprobBody(
+            token=t.text,
+            logprob=t.logprob,
+            bytes=_token_bytes(t.text),
+            top_logprobs=[TopLogprob(token=s, logprob=lp, bytes=_token_bytes(s)) for s, lp in t.top],
+        )
+        for t in tokens
+    ]
+    return ChoiceLogprobs(content=content)
+
+
+def _completion_logprobs(tokens: list[TokenLogprob], offset: int, wants_top: bool) -> CompletionLogprobs:
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t.text)
+    return CompletionLogprobs(
+        tokens=[t.text for t in tokens],
+        token_logprobs=[t.logprob for t in tokens],
+        top_logprobs=[dict(t.top) for t in tokens] if wants_top else None,
+        text_offset=offsets,
+    )
+
+
+def _describe_limits(schema: dict[str, Any], config: GatewayConfig) -> None:
+    """Put this gateway's model name and vocabulary into its OpenAPI schema.
+
+    The context limit stays out: how many tokens may be generated depends on the prompt's length,
+    and a request over it gets 413 naming max_context.
+    """
+    components = schema["components"]["schemas"]
+
+    def bound_token_ids(node: Any) -> None:
+        if isinstance(node, dict):
+            if node.get("type") == "integer" and node.get("minimum") == 0:
+                node["maximum"] = config.vocab_size - 1
+            for value in node.values():
+                bound_token_ids(value)
+        elif isinstance(node, list):
+            for value in node:
+                bound_token_ids(value)
+
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        props = components[name]["properties"]
+        props["model"]["enum"] = [config.model_name]
+    bound_token_ids(components["CompletionRequest"]["properties"]["prompt"])
+
+
+def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, keys: KeyRing) -> FastAPI:
+    metrics = GatewayMetrics()
+    gateway = Gateway(config, router, codec, keys, metrics, ConcurrencyLimiter(config.max_concurrent_per_key))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if keys.open:
+            log.warning("no API keys configured: the gateway is open to anyone who can reach it")
+        yield
+        await router.close()
+
+    app = FastAPI(
+        title="Cascadia", version="0.1.0", lifespan=lifespan, description="OpenAI-compatible API of a Cascadia fleet."
+    )
+    app.state.gateway = gateway
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        metrics.errors.labels(exc.code or exc.type).inc()
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        param = _param_name(tuple(first.get("loc", ())))
+        if first.get("type") == "json_invalid":
+            message, param = "The body is not valid JSON.", None
+        elif first.get("type") == "extra_forbidden":
+            message = f"Unrecognized request argument supplied: {param}"
+        else:
+            message = f"Invalid value for '{param}': {first.get('msg')}" if param else str(first.get("msg"))
+        return await api_error(request, bad_request(message, param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        response = await api_error(request, ApiError(exc.status_code, str(exc.detail)))
+        response.headers.update(exc.headers or {})  # e.g. Allow on 405
+        return response
+
+    app.add_middleware(RequestCounter, metrics=metrics)
+
+    errors = error_responses(400, 401, 404, 413, 429, 503)
+    both = {200: {"content": {"text/event-stream": {}}}}
+
+    @app.get("/healthz", tags=["health"])
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["health"], responses={503: {"description": "The router or a stage is not ready."}})
+    async def readyz() -> JSONResponse:
+        readiness = await router.readiness()
+        return JSONResponse(
+            status_code=200 if readiness.ready else 503,
+            content={"status": "ready" if readiness.ready else "not ready", "detail": readiness.detail},
+        )
+
+    @app.get("/metrics", tags=["health"], response_class=PlainTextResponse)
+    async def prometheus_metrics() -> Response:
+        with contextlib.suppress(grpc.aio.AioRpcError):  # metrics are served while the router is down too
+            stats = await router.stats(timeout=1.0)
+            metrics.queue_depth.set(stats.queued_requests)
+            metrics.active_streams.set(stats.active_streams)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", response_model=ModelList, responses=error_responses(401))
+    async def list_models(key: Key) -> ModelList:
+        return ModelList(data=[ModelCard(id=config.model_name, created=0)])
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses={**errors, **both})
+    async def completions(body: CompletionRequest, request: Request, key: Key) -> Any:
+        gateway.check_model(body.model)
+        if body.echo:
+            raise bad_request("'echo' is not supported: the prompt is never repeated in the output.", "echo")
+        prompt = body.prompt
+        if isinstance(prompt, list) and isinstance(prompt[0], (list, str)):
+            prompt = prompt[0]
+        ids = codec.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        max_tokens = gateway.check_prompt(ids, body.max_tokens, "prompt")
+        top = body.logprobs or 0
+        params = gateway.sampling(body, max_tokens, top)
+        generation = gateway.generation("cmpl", ids, params, body, body.logprobs is not None)
+        created = int(time.time())
+        gateway.limiter.acquire(key)
+        if body.stream:
+            offset = 0
+
+            def chunk(delta: Delta) -> dict | None:
+                nonlocal offset
+                if not delta.text and not delta.finish_reason and not delta.tokens:
+                    return None
+                logprobs = None
+                if body.logprobs is not None:
+                    logprobs = _completion_logprobs(delta.tokens, offset, top > 0).model_dump()
+                    offset += sum(len(t.text) for t in delta.tokens)
+                choice = {"index": 0, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+                out = {
+                    "id": generation.request_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": config.model_name,
+                    "choices": [choice],
+                }
+                if body.stream_options and body.stream_options.include_usage:
+                    out["usage"] = None
+                return out
+
+            def usage() -> dict:
+                return {
+                    "id": generation.request_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": config.model_name,
+                    "choices": [],
+                    "usage": _usage(generation).model_dump(),
+                }
+
+            include = body.stream_options is not None and body.stream_options.include_usage
+            stream = _stream(
+                request, generation, chunk, usage if include else None, lambda: gateway.limiter.release(key), metrics
+            )
+            return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+        try:
+            await _run_watched(request, generation)
+        finally:
+            gateway.limiter.release(key)
+        logprobs = _completion_logprobs(generation.logprobs, 0, top > 0) if body.logprobs is not None else None
+        choice = CompletionChoice(
+            index=0, text=generation.text, logprobs=logprobs, finish_reason=generation.finish_reason
+        )
+        return CompletionResponse(
+            id=generation.request_id,
+            created=created,
+            model=config.model_name,
+            choices=[choice],
+            usage=_usage(generation),
+        )
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**errors, **both})
+    async def chat_completions(body: ChatCompletionRequest, request: Request, key: Key) -> Any:
+        gateway.check_model(body.model)
+        if body.top_logprobs and not body.logprobs:
+            raise bad_request("'top_logprobs' needs 'logprobs' set to true.", "top_logprobs")
+        messages = [
+            {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages
+        ]
+        try:
+            ids = codec.encode_chat(messages)
+        except TemplateFailed as exc:
+            raise bad_request(str(exc), "messages") from None
+        if not ids:
+            raise bad_request("The messages render to an empty prompt.", "messages")
+        max_tokens = gateway.check_prompt(ids, body.max_completion_tokens or body.max_tokens, "messages")
+        params = gateway.sampling(body, max_tokens, body.top_logprobs or 0 if body.logprobs else 0)
+        generation = gateway.generation("chatcmpl", ids, params, body, bool(body.logprobs))
+        created = int(time.time())
+        gateway.limiter.acquire(key)
+        if body.stream:
+            include = body.stream_options is not None and body.stream_options.include_usage
+            first = True
+
+            def chunk(delta: Delta) -> dict | None:
+                nonlocal first
+                if not (first or delta.text or delta.finish_reason or delta.tokens):
+                    return None
+                content: dict[str, Any] = {}
+                if first:
+                    content["role"] = "assistant"
+                if delta.text or first:
+                    content["content"] = delta.text
+                first = False
+                logprobs = _chat_logprobs(delta.tokens).model_dump() if body.logprobs else None
+                choice = {"index": 0, "delta": content, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+                out = {
+                    "id": generation.request_id,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": config.model_name,
+                    "choices": [choice],
+                }
+                if include:
+                    out["usage"] = None
+                return out
+
+            def usage() -> dict:
+                return {
+                    "id": generation.request_id,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": config.model_name,
+                    "choices": [],
+                    "usage": _usage(generation).model_dump(),
+                }
+
+            stream = _stream(
+                request, generation, chunk, usage if include else None, lambda: gateway.limiter.release(key), metrics
+            )
+            return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+        try:
+            await _run_watched(request, generation)
+        finally:
+            gateway.limiter.release(key)
+        logprobs = _chat_logprobs(generation.logprobs) if body.logprobs else None
+        choice = ChatChoice(
+            index=0,
+            message=AssistantMessage(content=generation.text),
+            logprobs=logprobs,
+            finish_reason=generation.finish_reason,
+        )
+        return ChatCompletionResponse(
+            id=generation.request_id,
+            created=created,
+            model=config.model_name,
+            choices=[choice],
+            usage=_usage(generation),
+        )
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            _describe_limits(schema, config)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app

@@ -1,0 +1,171 @@
+"""Request and response bodies of the OpenAI API subset the gateway serves."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_STOP_STRINGS = 4
+MAX_SEED = 2**63 - 1
+
+
+class Strict(BaseModel):
+    # Like OpenAI: an argument the server does not know is an error, not silently dropped; and no
+    # coercion (a float token id or the string "5" for max_tokens is a client bug, not a request).
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+Stop = Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)]
+
+
+class SamplingFields(Strict):
+    model: str = Field(description="Name of a model from GET /v1/models.")
+    temperature: float | None = Field(None, ge=0, le=2, description="0 is greedy; default 1.")
+    top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling; default 1.")
+    top_k: int | None = Field(None, ge=0, description="Extension: keep only the k most likely tokens; 0 is off.")
+    n: int | None = Field(None, ge=1, le=1, description="Only one choice per request is served.")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Same seed and parameters: same tokens.")
+    stop: Stop | None = Field(None, description="Up to 4 strings; text ends before the first one found.")
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    user: str | None = None
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+Text = Annotated[str, Field(min_length=1)]
+# OpenAI also accepts a batch of prompts; one per request is served.
+Prompt = Text | TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
+Prompt = Prompt | Annotated[list[Text], Field(min_length=1, max_length=1)]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Prompt = Field(description="Text, or token ids used exactly as given (no template, no BOS).")
+    max_tokens: int | None = Field(16, ge=1, description="Tokens to generate at most.")
+    logprobs: int | None = Field(None, ge=0, le=5, description="Log-probs of this many best tokens per position.")
+    echo: bool | None = Field(None, description="Echoing the prompt is not served: only false is accepted.")
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | Annotated[list[TextPart], Field(min_length=1)]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = Field(None, ge=1, description="Default: the rest of the context.")
+    max_completion_tokens: int | None = Field(None, ge=1, description="Same as max_tokens.")
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "cascadia"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    return {code: {"model": ErrorResponse} for code in codes}

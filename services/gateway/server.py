@@ -1,0 +1,48 @@
+"""`cascadia gateway`: the app for one model directory, served by uvicorn."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI
+
+from cascadia.gateway.app import GatewayConfig, create_app
+from cascadia.gateway.auth import KeyRing, load_keys
+from cascadia.gateway.router_client import RouterClient
+from cascadia.gateway.text import TextCodec
+
+
+def model_limits(model_dir: Path) -> tuple[int, int]:
+    """(vocabulary size the head produces, positions the model was configured for)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    vocab = cfg.get("unpadded_vocab_size") or cfg["vocab_size"]
+    return int(vocab), int(cfg.get("max_position_embeddings", 1 << 20))
+
+
+def build_app(
+    router_addr: str,
+    model_dir: Path,
+    served_name: str,
+    keys_file: Path | None,
+    max_context: int,
+    max_prompt_tokens: int,
+    max_concurrent_per_key: int,
+) -> FastAPI:
+    vocab, positions = model_limits(model_dir)
+    config = GatewayConfig(
+        model_name=served_name,
+        vocab_size=vocab,
+        max_context=min(max_context, positions),
+        max_prompt_tokens=max_prompt_tokens,
+        max_concurrent_per_key=max_concurrent_per_key,
+    )
+    return create_app(
+        config, RouterClient(router_addr), TextCodec.from_directory(model_dir), KeyRing(load_keys(keys_file))
+    )
+
+
+def serve(app: FastAPI, host: str, port: int) -> None:
+    uvicorn.run(app, host=host, port=port, log_level="info", access_log=False, timeout_graceful_shutdown=5)

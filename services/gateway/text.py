@@ -1,0 +1,179 @@
+"""Text in and out: the checkpoint's tokenizer and chat template, incremental detokenising, stop strings."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+# Used when a model ships no template: role-tagged turns, then the assistant's cue.
+PLAIN_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+class TemplateFailed(ValueError):
+    pass
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):  # {"content": "<s>", ...} as older tokenizer_config files write it
+        return value.get("content")
+    return value
+
+
+@dataclass
+class TextCodec:
+    tokenizer: Tokenizer
+    chat_template: str = PLAIN_CHAT_TEMPLATE
+    bos_token: str | None = None
+    eos_token: str | None = None
+    add_bos: bool = False
+    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+    has_own_template: bool = False
+
+    @classmethod
+    def from_directory(cls, model_dir: Path) -> TextCodec:
+        tokenizer_file = model_dir / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(f"{model_dir}: no tokenizer.json")
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        config: dict[str, Any] = {}
+        if (model_dir / "tokenizer_config.json").is_file():
+            config = json.loads((model_dir / "tokenizer_config.json").read_text())
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if template is None and (model_dir / "chat_template.jinja").is_file():
+            template = (model_dir / "chat_template.jinja").read_text()
+        bos, eos = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
+        stops = set()
+        model_config = model_dir / "config.json"
+        if model_config.is_file():
+            cfg = json.loads(model_config.read_text())
+            cfg = cfg.get("text_config", cfg)
+            eos_ids = cfg.get("eos_token_id")
+            stops.update(eos_ids if isinstance(eos_ids, list) else [eos_ids] if eos_ids is not None else [])
+        if eos is not None and tokenizer.token_to_id(eos) is not None:
+            stops.add(tokenizer.token_to_id(eos))
+        return cls(
+            tokenizer=tokenizer,
+            chat_template=template or PLAIN_CHAT_TEMPLATE,
+            bos_token=bos,
+            eos_token=eos,
+            add_bos=bool(config.get("add_bos_token", False)) and bos is not None,
+            stop_token_ids=frozenset(stops),
+            has_own_template=template is not None,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        bos_id = self.tokenizer.token_to_id(self.bos_token) if self.bos_token else None
+        if (self.add_bos if add_bos is None else add_bos) and bos_id is not None and ids[:1] != [bos_id]:
+            ids = [bos_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message: str) -> None:
+            raise TemplateFailed(message)
+
+        env.globals["raise_exception"] = raise_exception
+        try:
+            template = env.from_string(self.chat_template)
+            return template.render(
+                messages=messages,
+                add_generation_prompt=True,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except TemplateError as exc:
+            raise TemplateFailed(f"the chat template failed: {exc}") from None
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        # templates put BOS into the text themselves; do not add a second one
+        return self.encode(self.render_chat(messages), add_bos=False)
+
+
+class IncrementalDetokenizer:
+    """Text of a growing token sequence, released only once it is whole UTF-8.
+
+    Byte-level tokens can split a character; decoding them alone gives U+FFFD. Text is held back
+    while the decoded tail ends in one, and a short window of earlier tokens is re-decoded so that
+    tokenizers which join tokens with context (spaces, merges) produce the same text as one decode.
+    """
+
+    def __init__(self, codec: TextCodec) -> None:
+        self.codec = codec
+        self.ids: list[int] = []
+        self._prefix = 0  # start of the window that is re-decoded
+        self._read = 0  # tokens whose text was released
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        prefix_text = self.codec.decode(self.ids[self._prefix : self._read])
+        full_text = self.codec.decode(self.ids[self._prefix :])
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self.ids)
+            return full_text[len(prefix_text) :]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back, at the end of the sequence."""
+        prefix_text = self.codec.decode(self.ids[self._prefix : self._read])
+        full_text = self.codec.decode(self.ids[self._prefix :])
+        self._prefix = self._read = len(self.ids)
+        return full_text[len(prefix_text) :]
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text, even when one spans several pieces.
+
+    Text that could still be the start of a stop string is held back until it is known not to be.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self._held = ""
+        self.stopped = False
+
+    def push(self, text: str) -> str:
+        if self.stopped:
+            return ""
+        buffer = self._held + text
+        hits = [(buffer.find(s), s) for s in self.stops if s in buffer]
+        if hits:
+            at = min(i for i, _ in hits)
+            self.stopped = True
+            self._held = ""
+            return buffer[:at]
+        keep = 0
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(buffer)), 0, -1):
+                if buffer.endswith(stop[:n]):
+                    keep = max(keep, n)
+                    break
+        self._held = buffer[len(buffer) - keep :] if keep else ""
+        return buffer[: len(buffer) - keep]
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return "" if self.stopped else held
