@@ -374,10 +374,8 @@ def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, ke
         if body.stream:
             offset = 0
 
-            def chunk(delta: Delta) -> dict | None:
+            def chunk(delta: Delta) -> dict | None:  # one per token, as OpenAI streams them
                 nonlocal offset
-                if not delta.text and not delta.finish_reason and not delta.tokens:
-                    return None
                 logprobs = None
                 if body.logprobs is not None:
                     logprobs = _completion_logprobs(delta.tokens, offset, top > 0).model_dump()

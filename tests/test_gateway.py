@@ -1,0 +1,471 @@
+"""The gateway over a live local fleet (`cascadia up`, 2 shard processes), through the real openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from cascadia.engine.engine import StageEngine
+from cascadia.engine.generate import generate
+from cascadia.engine.sampling import SamplingParams
+from cascadia.engine.settings import EngineSettings
+from cascadia.gateway.text import TextCodec
+from cascadia.model.checkpoint import load_stage
+from cascadia.model.config import load_shape
+from cascadia.router.local import free_port
+from cascadia.shard.service import pb, rpc
+
+pytestmark = pytest.mark.slow
+
+KEYS = ("sk-test-alpha-0123456789", "sk-test-beta-9876543210")
+MODEL = "tiny"
+
+
+@dataclass
+class Live:
+    base: str
+    router: str
+    shards: list[str]
+    log_dir: Path
+    codec: TextCodec
+
+    def client(self, key: str = KEYS[0]) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=key, max_retries=0, timeout=60)
+
+    def async_client(self, key: str = KEYS[0]) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.base + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def wait_ready(base: str, process: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"the process exited with {process.returncode}"
+        try:
+            if httpx.get(base + "/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{base} not ready within {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def live(tiny, tmp_path_factory) -> Iterator[Live]:
+    logs = tmp_path_factory.mktemp("up")
+    port, router_port = free_port(), free_port()
+    env = {**os.environ, "CASCADIA_API_KEYS": ",".join(KEYS)}
+    cmd = [sys.executable, "-m", "cascadia.cli", "up", "--model", str(tiny), "--shards", "2", "--port", str(port)]
+    cmd += ["--router-port", str(router_port), "--log-dir", str(logs)]
+    with open(logs / "up.log", "w") as out:
+        process = subprocess.Popen(cmd, env=env, stderr=out, stdout=out)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base, process)
+        shards = re.search(r"shards on (\S+), (\S+);", (logs / "up.log").read_text()).groups()
+        yield Live(base, f"127.0.0.1:{router_port}", list(shards), logs, TextCodec.from_directory(tiny))
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+@pytest.fixture
+def gateway_process(tiny, live, tmp_path):
+    """Start one more `cascadia gateway` over the same router, with other settings."""
+    started: list[subprocess.Popen] = []
+
+    def start(*options: str, keys: bool = False, router: str | None = None, ready: bool = True):
+        port = free_port()
+        env = {k: v for k, v in os.environ.items() if k != "CASCADIA_API_KEYS"}
+        if keys:
+            env["CASCADIA_API_KEYS"] = ",".join(KEYS)
+        cmd = [sys.executable, "-m", "cascadia.cli", "gateway", "--router", router or live.router]
+        cmd += ["--model", str(tiny), "--port", str(port), *options]
+        log = tmp_path / f"gateway-{port}.log"
+        process = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        started.append(process)
+        base = f"http://127.0.0.1:{port}"
+        if ready:
+            wait_ready(base, process, timeout=60)
+        else:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    httpx.get(base + "/healthz", timeout=1)
+                    break
+                except httpx.HTTPError:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.3)
+        return base, log
+
+    yield start
+    for process in started:
+        process.terminate()
+        process.wait(15)
+
+
+@pytest.fixture(scope="module")
+def solo(tiny):
+    """Token ids the single-process engine generates: what the fleet must reproduce."""
+    engine = StageEngine(load_stage(tiny, 0, load_shape(tiny).num_layers), EngineSettings())
+    stops = TextCodec.from_directory(tiny).stop_token_ids
+
+    def run(prompt: list[int], max_tokens: int, **sampling) -> list[int]:
+        params = SamplingParams(max_tokens=max_tokens, stop_ids=stops, **sampling)
+        return generate(engine, prompt, params, stream="solo").token_ids
+
+    return run
+
+
+def expected_text(codec: TextCodec, ids: list[int]) -> str:
+    return codec.decode(ids)
+
+
+def test_models_lists_the_served_model(live):
+    models = live.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_completion_from_token_ids_is_the_single_process_greedy_output(live, solo):
+    prompt = [5, 17, 300, 42, 77]
+    ids = solo(prompt, 10)
+    out = live.client().completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, logprobs=0)
+    choice = out.choices[0]
+    assert choice.text == expected_text(live.codec, ids)
+    assert out.usage.prompt_tokens == len(prompt)  # used as given: no BOS, no template
+    assert out.usage.completion_tokens == len(ids)
+    assert choice.finish_reason == ("stop" if ids[-1] in live.codec.stop_token_ids else "length")
+    assert choice.logprobs.tokens == [live.codec.token_text(t) for t in ids]
+    assert all(lp <= 0 for lp in choice.logprobs.token_logprobs)
+
+
+def test_text_prompts_use_the_checkpoint_tokenizer(live, solo):
+    prompt = "The fleet says hello"
+    ids = live.codec.encode(prompt)
+    out = live.client().completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+    assert out.usage.prompt_tokens == len(ids)
+    assert out.choices[0].text == expected_text(live.codec, solo(ids, 6))
+
+
+def test_chat_streaming_and_not_agree_and_count_the_real_tokens(live, solo):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a shard?"}]
+    prompt_ids = live.codec.encode_chat(messages)
+    ids = solo(prompt_ids, 12)
+    client = live.client()
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    assert whole.choices[0].message.content == expected_text(live.codec, ids)
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(prompt_ids), len(ids))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ids)
+    assert chunks[-1].usage.prompt_tokens == len(prompt_ids)
+
+
+def _prompt_with_readable_output(live, solo) -> tuple[list[int], str]:
+    for seed in range(40):
+        prompt = [3 + (seed * 37 + i * 11) % 255 for i in range(6)]
+        text = expected_text(live.codec, solo(prompt, 24))
+        if len(text.strip("\ufffd")) >= 4:
+            return prompt, text
+    pytest.fail("no prompt among 40 gives text to cut with a stop string")
+
+
+def test_stop_strings_end_the_text_before_them_streaming_or_not(live, solo):
+    prompt, text = _prompt_with_readable_output(live, solo)
+    stop = text[2:4]
+    expected = text[: text.index(stop)]
+    client = live.client()
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=[stop, "never!"])
+    assert out.choices[0].text == expected
+    assert out.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=stop, stream=True
+    )
+    pieces = list(streamed)
+    assert "".join(p.choices[0].text for p in pieces) == expected
+    assert pieces[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_seed_reproduces_sampled_tokens_and_matches_the_engine(live, solo):
+    prompt = [9, 8, 7, 6, 5]
+    client = live.client()
+
+    def sample(seed: int) -> list[str]:
+        out = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=12, temperature=1.0, top_p=0.9, seed=seed, logprobs=0
+        )
+        return out.choices[0].logprobs.tokens
+
+    first = sample(1234)
+    assert sample(1234) == first
+    ids = solo(prompt, 12, temperature=1.0, top_p=0.9, seed=1234)
+    assert first == [live.codec.token_text(t) for t in ids]
+    assert any(sample(seed) != first for seed in (1, 2, 3))
+
+
+def test_frequency_penalty_changes_greedy_output_away_from_repeats(live):
+    prompt = [40, 41, 42]
+    client = live.client()
+
+    def tokens(**extra) -> list[str]:
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, logprobs=0, **extra)
+        return out.choices[0].logprobs.tokens
+
+    plain, penalised = tokens(), tokens(frequency_penalty=2.0)
+    assert penalised != plain
+    assert max(collections.Counter(penalised).values()) < max(collections.Counter(plain).values())
+
+
+def test_chat_top_logprobs_are_sorted_and_include_alternatives(live):
+    out = live.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    for token in content:
+        tops = [t.logprob for t in token.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True)
+        assert token.logprob == pytest.approx(tops[0], abs=1e-5)  # greedy: the chosen one is the best
+
+
+def test_thirty_two_concurrent_streaming_clients_each_get_their_own_greedy_text(live, solo):
+    prompts = [[3 + (i * 13 + j * 7) % 250 for j in range(1 + i % 9)] for i in range(32)]
+    expected = [solo(p, 8) for p in prompts]
+
+    async def one(client: openai.AsyncOpenAI, prompt: list[int]) -> tuple[str, int]:
+        stream = await client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        text, usage = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+            if chunk.usage:
+                usage = chunk.usage.completion_tokens
+        return text, usage
+
+    async def everyone():
+        client = live.async_client()
+        try:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+        finally:
+            await client.close()
+
+    results = asyncio.run(everyone())
+    for (text, completion_tokens), ids in zip(results, expected, strict=True):
+        assert text == expected_text(live.codec, ids)
+        assert completion_tokens == len(ids)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"model": MODEL, "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+        ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+        ({"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo"),
+        ({"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "best_of"),
+        ({"model": MODEL, "prompt": [1, 2, 600]}, 400, "prompt"),
+        ({"model": MODEL, "prompt": [4.5]}, 400, "prompt.list[int].0"),
+        ({"model": MODEL, "prompt": ""}, 400, None),
+        ({"model": "gpt-4", "prompt": "hi"}, 404, "model"),
+        ({"model": MODEL, "prompt": [5] * 1100}, 400, "prompt"),
+        ({"model": MODEL, "prompt": [5] * 1000, "max_tokens": 100}, 413, "max_tokens"),
+    ],
+)
+def test_bad_completion_requests_get_4xx_naming_the_problem(live, body, status, param):
+    response = httpx.post(live.base + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEYS[0]}"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"]
+    if param is not None:
+        assert error["param"] is not None and error["param"].startswith(param.split(".")[0])
+
+
+def test_bad_json_wrong_shapes_and_auth_failures_are_4xx(live):
+    url = live.base + "/v1/chat/completions"
+    auth = {"Authorization": f"Bearer {KEYS[0]}", "Content-Type": "application/json"}
+    assert httpx.post(url, content=b"{not json", headers=auth).status_code == 400
+    assert httpx.post(url, json={"model": MODEL, "messages": "hi"}, headers=auth).status_code == 400
+    assert httpx.post(url, json={"model": MODEL, "messages": []}, headers=auth).status_code == 400
+    bad_role = {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}
+    assert httpx.post(url, json=bad_role, headers=auth).status_code == 400
+    top_without = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}
+    response = httpx.post(url, json=top_without, headers=auth)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "top_logprobs"
+    ok = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer sk-wrong-key-123"}, {"Authorization": KEYS[0]}):
+        response = httpx.post(url, json=ok, headers=headers)
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        live.client(key="sk-wrong-key-123").models.list()
+    with pytest.raises(openai.NotFoundError):
+        live.client().completions.create(model="other", prompt="x")
+    logs = "".join(p.read_text() for p in live.log_dir.glob("*.log"))
+    assert not any(k in logs for k in (*KEYS, "sk-wrong-key-123"))
+
+
+def _shard_open_streams(live) -> list[int]:
+    async def ask():
+        out = []
+        for addr in live.shards:
+            async with grpc.aio.insecure_channel(addr) as channel:
+                out.append((await rpc.ShardStub(channel).Stats(pb.StatsRequest(), timeout=5)).open_streams)
+        return out
+
+    return asyncio.run(ask())
+
+
+def _router_active(live) -> int:
+    async def ask():
+        async with grpc.aio.insecure_channel(live.router) as channel:
+            return (await rpc.RouterStub(channel).Stats(pb.StatsRequest(), timeout=5)).active_streams
+
+    return asyncio.run(ask())
+
+
+def _wait_until_free(live, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _router_active(live) or any(_shard_open_streams(live)):
+        assert time.monotonic() < deadline, f"router {_router_active(live)}, shards {_shard_open_streams(live)}"
+        time.sleep(0.2)
+
+
+def _wait_until_active(live, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not _router_active(live):
+        assert time.monotonic() < deadline, "the request never became active on the router"
+        time.sleep(0.05)
+
+
+LONG = {"model": MODEL, "prompt": [7, 8], "max_tokens": 600, "temperature": 0}  # runs for seconds
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_frees_its_stream_on_every_stage(live, stream):
+    _wait_until_free(live)
+    headers = {"Authorization": f"Bearer {KEYS[0]}"}
+    with httpx.Client(timeout=30) as client:
+        if stream:
+            body = {**LONG, "stream": True}
+            with client.stream("POST", live.base + "/v1/completions", json=body, headers=headers) as response:
+                lines = response.iter_lines()  # kept: dropping the iterator closes the connection
+                first = next(lines)
+                assert first.startswith('data: {"id"'), first
+                assert _router_active(live) == 1 and _shard_open_streams(live) == [1, 1]
+        else:
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                call = pool.submit(client.post, live.base + "/v1/completions", json=LONG, headers=headers, timeout=2.0)
+                _wait_until_active(live)
+                with pytest.raises(httpx.ReadTimeout):
+                    call.result()
+    _wait_until_free(live, timeout=5.0)  # well before the 600 tokens would have been generated
+    metrics = httpx.get(live.base + "/metrics").text
+    assert re.search(r'cascadia_errors_total\{kind="client_disconnected"\} [1-9]', metrics)
+
+
+def test_metrics_count_requests_tokens_and_latencies(live):
+    client = live.client()
+    client.completions.create(model=MODEL, prompt=[3, 4], max_tokens=3, temperature=0)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=[3, 4], max_tokens=0)
+    text = httpx.get(live.base + "/metrics").text
+
+    def value(pattern: str) -> float:
+        match = re.search(pattern + r" ([0-9.e+]+)", text)
+        assert match, pattern
+        return float(match.group(1))
+
+    assert value(r'cascadia_requests_total\{endpoint="/v1/completions",status="200"\}') >= 1
+    assert value(r'cascadia_requests_total\{endpoint="/v1/completions",status="400"\}') >= 1
+    assert value(r"cascadia_prompt_tokens_total") >= 2
+    assert value(r"cascadia_completion_tokens_total") >= 3
+    assert value(r"cascadia_time_to_first_token_seconds_count") >= 1
+    assert value(r"cascadia_inter_token_latency_seconds_count") >= 2
+    assert "cascadia_router_queue_depth" in text
+
+
+def test_health_and_readiness_follow_the_router(live, gateway_process):
+    assert httpx.get(live.base + "/healthz").json() == {"status": "ok"}
+    assert httpx.get(live.base + "/readyz").status_code == 200
+    base, _ = gateway_process(router=f"127.0.0.1:{free_port()}", ready=False)  # nothing listens there
+    assert httpx.get(base + "/healthz").status_code == 200
+    response = httpx.get(base + "/readyz")
+    assert response.status_code == 503 and "router" in response.json()["detail"]
+    response = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+    assert response.status_code == 503 and response.json()["error"]["message"]
+
+
+def test_concurrent_requests_per_key_are_limited(live, gateway_process):
+    base, _ = gateway_process("--max-concurrent-per-key", "1", keys=True)
+    _wait_until_free(live)
+    headers = [{"Authorization": f"Bearer {k}"} for k in KEYS]
+    short = {"model": MODEL, "prompt": [7, 8], "max_tokens": 2}
+    with httpx.Client(timeout=60) as client, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(client.post, base + "/v1/completions", json=LONG, headers=headers[0])
+        _wait_until_active(live)
+        refused = client.post(base + "/v1/completions", json=short, headers=headers[0])
+        assert refused.status_code == 429
+        assert "max_concurrent_requests_per_key" in refused.json()["error"]["message"]
+        assert client.post(base + "/v1/completions", json=short, headers=headers[1]).status_code == 200
+        assert running.result().status_code == 200
+        assert client.post(base + "/v1/completions", json=short, headers=headers[0]).status_code == 200
+
+
+def test_without_keys_the_gateway_is_open_and_says_so(live, gateway_process):
+    base, log = gateway_process()
+    out = openai.OpenAI(base_url=base + "/v1", api_key="anything", max_retries=0).completions.create(
+        model=MODEL, prompt=[3], max_tokens=2, temperature=0
+    )
+    assert out.usage.completion_tokens >= 1
+    assert "no API keys configured" in log.read_text()
+
+
+def test_schemathesis_finds_no_server_errors_and_responses_conform(live, gateway_process, tmp_path):
+    base, _ = gateway_process("--max-context", "24")
+    command = [
+        sys.executable, "-m", "schemathesis.cli", "run", base + "/openapi.json",
+        "--checks", "all", "--exclude-checks", "positive_data_acceptance",
+        "--max-examples", "25", "--workers", "2", "--seed", "1", "--no-color",
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    _wait_until_free(live)
