@@ -344,6 +344,50 @@ def gateway(
     serve(app_, host, port)
 
 
+@app.command("operator")
+def operator_command(
+    namespace: Annotated[list[str] | None, typer.Option(help="Watch only these namespaces (default: all).")] = None,
+    liveness_port: Annotated[int, typer.Option(min=0, max=65535, help="Port of /healthz (0: none).")] = 8080,
+    print_crd: Annotated[bool, typer.Option(help="Print the InklingFleet CRD as YAML and exit.")] = False,
+) -> None:
+    """The kopf operator: reconciles InklingFleet resources into shards, router, gateway and Redis."""
+    if print_crd:
+        import yaml
+
+        from cascadia.operator.crd import crd
+
+        sys.stdout.write(yaml.safe_dump(crd(), sort_keys=False, width=120))
+        return
+    import kopf
+
+    import cascadia.operator.handlers  # noqa: F401 (registers the handlers)
+
+    liveness = f"http://0.0.0.0:{liveness_port}/healthz" if liveness_port else None
+    kopf.run(standalone=True, clusterwide=not namespace, namespaces=namespace or [], liveness_endpoint=liveness)
+
+
+@app.command()
+def probe(
+    address: Annotated[str, typer.Option(help="gRPC address whose standard health service is asked.")],
+    timeout: Annotated[float, typer.Option(min=0.1)] = 3.0,
+) -> None:
+    """Exit 0 when the gRPC health service at ADDRESS reports SERVING (a readiness probe)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            err.print(f"{address}: {exc.code().name}")
+            raise typer.Exit(1) from None
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+        err.print(f"{address}: {status}")
+        raise typer.Exit(1)
+    err.print(f"{address}: {status}")
+
+
 @app.command()
 def up(
     model: Annotated[str, typer.Option(help="Checkpoint directory.")] = "models/tiny",

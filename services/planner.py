@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from cascadia.engine.settings import EngineSettings
-from cascadia.engine.weights import WeightFormat, stored_bytes
 from cascadia.model.config import InklingShape, shape_from_config
+from cascadia.model.formats import WeightFormat, stored_bytes
+
+if TYPE_CHECKING:
+    from cascadia.engine.settings import EngineSettings
 
 GIB = 2**30
 ROW_BYTES_PER_HIDDEN = 4  # the residual stream travels as FP32

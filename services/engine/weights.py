@@ -10,15 +10,14 @@ oracle can run on the very weights the engine uses.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import openvino as ov
 import openvino.opset16 as ops
 
-WeightFormat = Literal["f32", "f16", "int8", "int4"]
-WEIGHT_FORMATS: tuple[WeightFormat, ...] = ("f32", "f16", "int8", "int4")
-INT4_GROUP = 32
+from cascadia.model.formats import INT4_GROUP, WEIGHT_FORMATS, WeightFormat, stored_bytes
+
+__all__ = ["INT4_GROUP", "WEIGHT_FORMATS", "Quantized", "WeightFormat", "dequantize", "quantize", "stored_bytes"]
 
 
 @dataclass(frozen=True)
@@ -94,15 +93,3 @@ def weight_node(weight: np.ndarray, fmt: WeightFormat, name: str) -> ov.Node:
     scaled = ops.multiply(values, ops.constant(q.scale))
     shape = ops.constant(np.array([*weight.shape], dtype=np.int64))
     return ops.convert(ops.reshape(scaled, shape, special_zero=False), "f32")
-
-
-def stored_bytes(weight_shape: tuple[int, ...], fmt: WeightFormat) -> int:
-    """Bytes a weight of this shape occupies in `fmt` (values plus scales)."""
-    n = int(np.prod(weight_shape))
-    if fmt == "f32":
-        return 4 * n
-    if fmt == "f16":
-        return 2 * n
-    if fmt == "int8":
-        return n + 4 * n // weight_shape[-1]
-    return n // 2 + 2 * (n // INT4_GROUP)

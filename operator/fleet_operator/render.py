@@ -1,0 +1,353 @@
+"""The children of an InklingFleet as manifests: pure functions of the fleet, its spec and its plan."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from cascadia.operator import GROUP, KIND, VERSION
+from cascadia.operator.spec import FleetSpec
+from cascadia.planner import FleetPlan
+
+SHARD_PORT = 7000
+ROUTER_PORT = 50051
+COLLECT_PORT = 50052
+REDIS_PORT = 6379
+KEYS_MOUNT = "/etc/cascadia/keys"
+FLEET_LABEL = "cascadia.dev/fleet"
+STAGE_LABEL = "cascadia.dev/stage"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+RUN_AS = 10001
+
+
+@dataclass(frozen=True)
+class Fleet:
+    name: str
+    namespace: str
+    uid: str
+    spec: FleetSpec
+
+
+def labels(fleet: Fleet, component: str, **extra: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "cascadia",
+        "app.kubernetes.io/instance": fleet.name,
+        "app.kubernetes.io/managed-by": "cascadia-operator",
+        COMPONENT_LABEL: component,
+        FLEET_LABEL: fleet.name,
+        **extra,
+    }
+
+
+def selector(fleet: Fleet, component: str, **extra: str) -> dict[str, str]:
+    return {FLEET_LABEL: fleet.name, COMPONENT_LABEL: component, **extra}
+
+
+def _metadata(fleet: Fleet, name: str, component: str, **extra: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": fleet.namespace,
+        "labels": labels(fleet, component, **extra),
+        "ownerReferences": [
+            {
+                "apiVersion": f"{GROUP}/{VERSION}",
+                "kind": KIND,
+                "name": fleet.name,
+                "uid": fleet.uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ],
+    }
+
+
+def shard_name(fleet: Fleet, stage: int) -> str:
+    return f"{fleet.name}-shard-{stage}"
+
+
+def shard_address(fleet: Fleet, stage: int) -> str:
+    name = shard_name(fleet, stage)
+    return f"{name}-0.{name}.{fleet.namespace}.svc:{SHARD_PORT}"
+
+
+def _security() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _pod_security() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS,
+        "runAsGroup": RUN_AS,
+        "fsGroup": RUN_AS,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _probe(port: int) -> dict[str, Any]:
+    # an exec probe through the image's own CLI works on every Kubernetes version (grpc probes need 1.24+)
+    return {
+        "exec": {"command": ["cascadia", "probe", "--address", f"127.0.0.1:{port}"]},
+        "periodSeconds": 10,
+        "timeoutSeconds": 5,
+        "failureThreshold": 3,
+    }
+
+
+def _model_volume(spec: FleetSpec) -> dict[str, Any]:
+    claim = spec.get("model", "persistentVolumeClaim")
+    if claim:
+        return {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+    return {"name": "model", "hostPath": {"path": spec.get("model", "path"), "type": "Directory"}}
+
+
+def _resources(
+    spec: FleetSpec, component: str, requests: dict[str, Any] | None = None, limits: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    extra = spec.get("resources", component) or {}
+    out = {
+        "requests": {**(requests or {}), **(extra.get("requests") or {})},
+        "limits": {**(limits or {}), **(extra.get("limits") or {})},
+    }
+    return {k: v for k, v in out.items() if v}
+
+
+def _node_affinity(nodes: list[str]) -> dict[str, Any]:
+    term = {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In", "values": nodes}]}
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}}
+
+
+def _container(name: str, image: str, args: list[str], spec: FleetSpec, **extra: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "image": image,
+        "imagePullPolicy": spec.get("images", "pullPolicy"),
+        "args": args,
+        "securityContext": _security(),
+        **extra,
+    }
+
+
+def _workload_pod(
+    fleet: Fleet,
+    component: str,
+    containers: list[dict],
+    volumes: list[dict] | None = None,
+    affinity: dict | None = None,
+    **extra_labels: str,
+) -> dict[str, Any]:
+    pod: dict[str, Any] = {"securityContext": _pod_security(), "containers": containers, "enableServiceLinks": False}
+    if volumes:
+        pod["volumes"] = volumes
+    if affinity:
+        pod["affinity"] = affinity
+    return {"metadata": {"labels": labels(fleet, component, **extra_labels)}, "spec": pod}
+
+
+def shard_statefulset(fleet: Fleet, plan: FleetPlan, stage: int) -> dict[str, Any]:
+    spec = fleet.spec
+    placed = plan.stages[stage]
+    last = stage + 1 == len(plan.stages)
+    hop = (
+        ["--reply-to", f"{fleet.name}-router.{fleet.namespace}.svc:{COLLECT_PORT}"]
+        if last
+        else ["--next", shard_address(fleet, stage + 1)]
+    )
+    model_path = spec.get("model", "path")
+    args = [
+        "shard", "--model", model_path, "--layers", f"{placed.start_layer}:{placed.end_layer}",
+        "--listen", f"0.0.0.0:{SHARD_PORT}", "--stage", str(stage), "--precision", spec.get("precision", "mode"),
+        "--device", spec.get("device"), "--context", str(spec.get("serving", "contextBudget")), *hop,
+    ]  # fmt: skip
+    device = spec.get("nodes", "deviceResource")
+    memory = placed.weight_bytes + placed.kv_bytes + placed.overhead_bytes
+    container = _container(
+        "shard", spec.get("images", "shard"), args, spec,
+        ports=[{"name": "grpc", "containerPort": SHARD_PORT}],
+        readinessProbe=_probe(SHARD_PORT),
+        resources=_resources(spec, "shard", requests={"memory": str(memory), device: 1}, limits={device: 1}),
+        volumeMounts=[{"name": "model", "mountPath": model_path, "readOnly": True}],
+        env=[{"name": "CASCADIA_STAGE", "value": str(stage)}, {"name": "CASCADIA_ROLE", "value": "last" if last else (
+            "first" if stage == 0 else "middle")}],
+    )  # fmt: skip
+    name = shard_name(fleet, stage)
+    stage_labels = {STAGE_LABEL: str(stage)}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _metadata(fleet, name, "shard", **stage_labels),
+        "spec": {
+            "replicas": 1,
+            "serviceName": name,
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": selector(fleet, "shard", **stage_labels)},
+            "template": _workload_pod(
+                fleet, "shard", [container], [_model_volume(spec)], _node_affinity([placed.node]), **stage_labels
+            ),
+        },
+    }
+
+
+def headless_service(fleet: Fleet, name: str, component: str, ports: list[dict], **extra: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(fleet, name, component, **extra),
+        "spec": {
+            "clusterIP": "None",
+            "selector": selector(fleet, component, **extra),
+            "ports": ports,
+            "publishNotReadyAddresses": True,
+        },
+    }
+
+
+def service(fleet: Fleet, name: str, component: str, ports: list[dict], service_type: str = "ClusterIP") -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(fleet, name, component),
+        "spec": {"type": service_type, "selector": selector(fleet, component), "ports": ports},
+    }
+
+
+def _deployment(
+    fleet: Fleet, name: str, component: str, replicas: int, pod: dict[str, Any], strategy: str = "RollingUpdate"
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(fleet, name, component),
+        "spec": {
+            "replicas": replicas,
+            "strategy": {"type": strategy},
+            "selector": {"matchLabels": selector(fleet, component)},
+            "template": pod,
+        },
+    }
+
+
+def router_children(fleet: Fleet, plan: FleetPlan) -> list[dict[str, Any]]:
+    spec = fleet.spec
+    serving = spec.get("serving")
+    name = f"{fleet.name}-router"
+    args = [
+        "router", "--listen", f"0.0.0.0:{ROUTER_PORT}",
+        "--stages", ",".join(shard_address(fleet, i) for i in range(len(plan.stages))),
+        "--collect", f"0.0.0.0:{COLLECT_PORT}",
+        "--rows-per-group", str(serving["rowsPerGroup"]), "--prefill-window", str(serving["prefillWindow"]),
+        "--max-streams", str(serving["maxStreams"]), "--max-queue", str(serving["maxQueue"]),
+    ]  # fmt: skip
+    container = _container(
+        "router", spec.get("images", "router"), args, spec,
+        ports=[{"name": "api", "containerPort": ROUTER_PORT}, {"name": "collect", "containerPort": COLLECT_PORT}],
+        readinessProbe=_probe(ROUTER_PORT), resources=_resources(spec, "router"),
+    )  # fmt: skip
+    # one router owns the streams: a second one during a rollout would split them
+    deployment = _deployment(fleet, name, "router", 1, _workload_pod(fleet, "router", [container]), "Recreate")
+    ports = [
+        {"name": "api", "port": ROUTER_PORT, "targetPort": "api"},
+        {"name": "collect", "port": COLLECT_PORT, "targetPort": "collect"},
+    ]
+    return [deployment, service(fleet, name, "router", ports)]
+
+
+def gateway_children(fleet: Fleet, plan: FleetPlan) -> list[dict[str, Any]]:
+    spec = fleet.spec
+    gateway = spec.get("gateway")
+    name = f"{fleet.name}-gateway"
+    model_path = spec.get("model", "path")
+    args = [
+        "gateway", "--router", f"{fleet.name}-router.{fleet.namespace}.svc:{ROUTER_PORT}", "--model", model_path,
+        "--host", "0.0.0.0", "--port", "8000", "--max-context", str(spec.get("serving", "contextBudget")),
+        "--max-concurrent-per-key", str(gateway["maxConcurrentPerKey"]),
+    ]  # fmt: skip
+    volumes = [_model_volume(spec)]
+    mounts = [{"name": "model", "mountPath": model_path, "readOnly": True}]
+    if gateway.get("apiKeySecret"):
+        volumes.append({"name": "api-keys", "secret": {"secretName": gateway["apiKeySecret"]}})
+        mounts.append({"name": "api-keys", "mountPath": KEYS_MOUNT, "readOnly": True})
+        args += ["--api-keys-file", f"{KEYS_MOUNT}/keys"]
+    probe = {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 10, "timeoutSeconds": 5}
+    container = _container(
+        "gateway", spec.get("images", "gateway"), args, spec,
+        ports=[{"name": "http", "containerPort": 8000}], readinessProbe=probe,
+        livenessProbe={"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 20},
+        resources=_resources(spec, "gateway"), volumeMounts=mounts,
+    )  # fmt: skip
+    # the tokenizer lives in the checkpoint, which only the fleet's nodes hold
+    affinity = _node_affinity(sorted({s.node for s in plan.stages}))
+    pod = _workload_pod(fleet, "gateway", [container], volumes, affinity)
+    deployment = _deployment(fleet, name, "gateway", gateway["replicas"], pod)
+    ports = [{"name": "http", "port": gateway["port"], "targetPort": "http"}]
+    return [deployment, service(fleet, name, "gateway", ports, gateway["serviceType"])]
+
+
+def redis_children(fleet: Fleet) -> list[dict[str, Any]]:
+    spec = fleet.spec
+    name = f"{fleet.name}-redis"
+    container = _container(
+        "redis", spec.get("images", "redis"), ["--save", "", "--appendonly", "no"], spec,
+        ports=[{"name": "redis", "containerPort": REDIS_PORT}],
+        readinessProbe={"tcpSocket": {"port": "redis"}, "periodSeconds": 10},
+        resources=_resources(spec, "redis"), volumeMounts=[{"name": "data", "mountPath": "/data"}],
+    )  # fmt: skip
+    pod = _workload_pod(fleet, "redis", [container], [{"name": "data", "emptyDir": {}}])
+    statefulset = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _metadata(fleet, name, "redis"),
+        "spec": {
+            "replicas": 1,
+            "serviceName": name,
+            "selector": {"matchLabels": selector(fleet, "redis")},
+            "template": pod,
+        },
+    }
+    return [statefulset, headless_service(fleet, name, "redis", [{"name": "redis", "port": REDIS_PORT}])]
+
+
+def plan_configmap(fleet: Fleet, plan: FleetPlan) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(fleet, f"{fleet.name}-plan", "plan"),
+        "data": {"plan.json": json.dumps(plan_status(plan), indent=2), "mode": plan.mode, "note": plan.note},
+    }
+
+
+def plan_status(plan: FleetPlan) -> list[dict[str, Any]]:
+    return [
+        {
+            "node": s.node,
+            "startLayer": s.start_layer,
+            "endLayer": s.end_layer,
+            "memoryBytes": s.weight_bytes + s.kv_bytes + s.overhead_bytes,
+        }
+        for s in plan.stages
+    ]
+
+
+def render(fleet: Fleet, plan: FleetPlan) -> list[dict[str, Any]]:
+    """Every child, in the order they are applied.
+
+    The plan first; shards from the last stage to the first, so each stage's next hop exists before
+    a stage starts pointing at it; then the router that admits requests and the gateway in front.
+    """
+    children = [plan_configmap(fleet, plan)]
+    for stage in reversed(range(len(plan.stages))):
+        name = shard_name(fleet, stage)
+        ports = [{"name": "grpc", "port": SHARD_PORT, "targetPort": "grpc"}]
+        children.append(headless_service(fleet, name, "shard", ports, **{STAGE_LABEL: str(stage)}))
+        children.append(shard_statefulset(fleet, plan, stage))
+    if fleet.spec.get("redis", "managed"):
+        children += redis_children(fleet)
+    children += router_children(fleet, plan)
+    children += gateway_children(fleet, plan)
+    return children
