@@ -290,7 +290,7 @@ def crd() -> dict[str, Any]:
                     ],
                     "schema": {
                         "openAPIV3Schema": {
-                            "description": "A fleet of client machines serving one sparse MoE model, a layer range each.",
+                            "description": "Client machines serving one sparse MoE model, a layer range each.",
                             "type": "object",
                             "properties": {
                                 "apiVersion": {"type": "string"},

@@ -242,6 +242,6 @@ def on_change(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=INTERVAL, initial_delay=INTERVAL)
 def on_timer(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    with _lock(body["metadata"]["uid"]):
-        with contextlib.suppress(kopf.PermanentError):  # in the status already; retried once the spec changes
-            reconcile(memo.api, body)
+    # a permanent error is in the status already; it is retried once the spec changes
+    with _lock(body["metadata"]["uid"]), contextlib.suppress(kopf.PermanentError):
+        reconcile(memo.api, body)
