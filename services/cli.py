@@ -349,6 +349,7 @@ def operator_command(
     namespace: Annotated[list[str] | None, typer.Option(help="Watch only these namespaces (default: all).")] = None,
     liveness_port: Annotated[int, typer.Option(min=0, max=65535, help="Port of /healthz (0: none).")] = 8080,
     print_crd: Annotated[bool, typer.Option(help="Print the InklingFleet CRD as YAML and exit.")] = False,
+    verbose: Annotated[bool, typer.Option(help="Log every event and API call.")] = False,
 ) -> None:
     """The kopf operator: reconciles InklingFleet resources into shards, router, gateway and Redis."""
     if print_crd:
@@ -362,6 +363,7 @@ def operator_command(
 
     import cascadia.operator.handlers  # noqa: F401 (registers the handlers)
 
+    kopf.configure(verbose=verbose)
     liveness = f"http://0.0.0.0:{liveness_port}/healthz" if liveness_port else None
     kopf.run(standalone=True, clusterwide=not namespace, namespaces=namespace or [], liveness_endpoint=liveness)
 

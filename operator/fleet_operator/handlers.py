@@ -15,10 +15,11 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic import DynamicClient
 
-from cascadia.model.config import ConfigError, shape_from_config
+from cascadia.model.config import ConfigError
 from cascadia.operator import GROUP, PLURAL, VERSION
+from cascadia.operator.planning import fleet_plan
 from cascadia.operator.render import COMPONENT_LABEL, FLEET_LABEL, STAGE_LABEL, Fleet, plan_status, render
-from cascadia.operator.spec import FleetSpec, SpecError, parse_spec
+from cascadia.operator.spec import SpecError, parse_spec
 from cascadia.operator.status import (
     Condition,
     Observed,
@@ -28,29 +29,12 @@ from cascadia.operator.status import (
     serving_conditions,
     status_changed,
 )
-from cascadia.planner import FleetPlan, PlanError, PlanRequest, plan_fleet, preset_shape
+from cascadia.planner import FleetPlan, PlanError
 
 FIELD_MANAGER = "cascadia-operator"
 INTERVAL = float(os.environ.get("CASCADIA_OPERATOR_INTERVAL", "10"))
 CHILD_KINDS = (("v1", "ConfigMap"), ("v1", "Service"), ("apps/v1", "StatefulSet"), ("apps/v1", "Deployment"))
 log = logging.getLogger("cascadia.operator")
-
-
-def fleet_plan(spec: FleetSpec, nodes: list[str], model_config: dict[str, Any] | None) -> FleetPlan:
-    shape = preset_shape(spec.get("model", "preset")) if model_config is None else shape_from_config(model_config)
-    precision = spec.get("precision")
-    serving = spec.get("serving")
-    request = PlanRequest(
-        nodes=tuple(nodes),
-        node_memory=spec.node_memory,
-        expert_weights=precision["experts"],
-        attention_weights=precision["attention"],
-        head_weights=precision["head"],
-        layers_per_node=spec.get("layersPerNode"),
-        streams=serving["maxStreams"],
-        context=serving["contextBudget"],
-    )
-    return plan_fleet(shape, request)
 
 
 def _time(value: Any) -> datetime | None:
@@ -218,8 +202,15 @@ def _api() -> KubeApi:
     try:
         config.load_incluster_config()
     except config.ConfigException:
-        config.load_kube_config()
+        # read $KUBECONFIG now: the client library's default is fixed when it is first imported
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
     return KubeApi(client.ApiClient())
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """In a pod, the service account; elsewhere $KUBECONFIG (as the handlers' own client does)."""
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
 
 @kopf.on.startup()

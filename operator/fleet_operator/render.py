@@ -115,7 +115,8 @@ def _resources(
         "requests": {**(requests or {}), **(extra.get("requests") or {})},
         "limits": {**(limits or {}), **(extra.get("limits") or {})},
     }
-    return {k: v for k, v in out.items() if v}
+    # quantities travel as strings: server-side apply types them strictly
+    return {k: {name: str(q) for name, q in v.items()} for k, v in out.items() if v}
 
 
 def _node_affinity(nodes: list[str]) -> dict[str, Any]:
@@ -169,7 +170,7 @@ def shard_statefulset(fleet: Fleet, plan: FleetPlan, stage: int) -> dict[str, An
     memory = placed.weight_bytes + placed.kv_bytes + placed.overhead_bytes
     container = _container(
         "shard", spec.get("images", "shard"), args, spec,
-        ports=[{"name": "grpc", "containerPort": SHARD_PORT}],
+        ports=[{"name": "grpc", "containerPort": SHARD_PORT, "protocol": "TCP"}],
         readinessProbe=_probe(SHARD_PORT),
         resources=_resources(spec, "shard", requests={"memory": str(memory), device: 1}, limits={device: 1}),
         volumeMounts=[{"name": "model", "mountPath": model_path, "readOnly": True}],
@@ -194,6 +195,11 @@ def shard_statefulset(fleet: Fleet, plan: FleetPlan, stage: int) -> dict[str, An
     }
 
 
+def _tcp(ports: list[dict]) -> list[dict]:
+    # server-side apply on older API servers needs the protocol spelled out: it keys the port lists
+    return [{"protocol": "TCP", **p} for p in ports]
+
+
 def headless_service(fleet: Fleet, name: str, component: str, ports: list[dict], **extra: str) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
@@ -202,7 +208,7 @@ def headless_service(fleet: Fleet, name: str, component: str, ports: list[dict],
         "spec": {
             "clusterIP": "None",
             "selector": selector(fleet, component, **extra),
-            "ports": ports,
+            "ports": _tcp(ports),
             "publishNotReadyAddresses": True,
         },
     }
@@ -213,7 +219,7 @@ def service(fleet: Fleet, name: str, component: str, ports: list[dict], service_
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _metadata(fleet, name, component),
-        "spec": {"type": service_type, "selector": selector(fleet, component), "ports": ports},
+        "spec": {"type": service_type, "selector": selector(fleet, component), "ports": _tcp(ports)},
     }
 
 
@@ -246,7 +252,7 @@ def router_children(fleet: Fleet, plan: FleetPlan) -> list[dict[str, Any]]:
     ]  # fmt: skip
     container = _container(
         "router", spec.get("images", "router"), args, spec,
-        ports=[{"name": "api", "containerPort": ROUTER_PORT}, {"name": "collect", "containerPort": COLLECT_PORT}],
+        ports=_tcp([{"name": "api", "containerPort": ROUTER_PORT}, {"name": "collect", "containerPort": COLLECT_PORT}]),
         readinessProbe=_probe(ROUTER_PORT), resources=_resources(spec, "router"),
     )  # fmt: skip
     # one router owns the streams: a second one during a rollout would split them
@@ -277,7 +283,7 @@ def gateway_children(fleet: Fleet, plan: FleetPlan) -> list[dict[str, Any]]:
     probe = {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 10, "timeoutSeconds": 5}
     container = _container(
         "gateway", spec.get("images", "gateway"), args, spec,
-        ports=[{"name": "http", "containerPort": 8000}], readinessProbe=probe,
+        ports=[{"name": "http", "containerPort": 8000, "protocol": "TCP"}], readinessProbe=probe,
         livenessProbe={"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 20},
         resources=_resources(spec, "gateway"), volumeMounts=mounts,
     )  # fmt: skip
@@ -294,7 +300,7 @@ def redis_children(fleet: Fleet) -> list[dict[str, Any]]:
     name = f"{fleet.name}-redis"
     container = _container(
         "redis", spec.get("images", "redis"), ["--save", "", "--appendonly", "no"], spec,
-        ports=[{"name": "redis", "containerPort": REDIS_PORT}],
+        ports=[{"name": "redis", "containerPort": REDIS_PORT, "protocol": "TCP"}],
         readinessProbe={"tcpSocket": {"port": "redis"}, "periodSeconds": 10},
         resources=_resources(spec, "redis"), volumeMounts=[{"name": "data", "mountPath": "/data"}],
     )  # fmt: skip

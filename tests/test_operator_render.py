@@ -1,0 +1,158 @@
+"""The operator's pure parts: spec checks, the plan, rendered children, status conditions, the CRD's copies."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from cascadia.operator.crd import crd
+from cascadia.operator.planning import fleet_plan
+from cascadia.operator.render import Fleet, render
+from cascadia.operator.spec import SpecError, parse_spec, with_defaults
+from cascadia.operator.status import Observed, ShardState, degraded, merge_conditions, serving_conditions
+from cascadia.planner import PlanError
+
+ROOT = Path(__file__).resolve().parents[1]
+NODES = [f"pc-{i:02d}" for i in range(1, 12)]
+
+
+def example_spec() -> dict:
+    docs = list(yaml.safe_load_all((ROOT / "examples/inklingfleet.yaml").read_text()))
+    return next(d for d in docs if d["kind"] == "InklingFleet")["spec"]
+
+
+def rendered(spec: dict | None = None):
+    parsed = parse_spec(spec or example_spec())
+    plan = fleet_plan(parsed, list(parsed.node_names), None)
+    return plan, render(Fleet("inkling", "serving", "uid-1", parsed), plan)
+
+
+def test_the_chart_ships_the_crd_generated_from_its_source():
+    shipped = yaml.safe_load((ROOT / "charts/cascadia/crds/inklingfleets.cascadia.dev.yaml").read_text())
+    assert shipped == crd()
+
+
+def test_defaults_come_from_the_schema():
+    spec = with_defaults({"model": {"preset": "inkling-975b", "path": "/m"}, "nodes": {"names": ["a"], "memory": "8Gi"}})
+    assert spec["serving"]["rowsPerGroup"] == 8
+    assert spec["precision"] == {"experts": "int4", "attention": "int8", "head": "int8", "mode": "int4"}
+    assert spec["nodes"]["deviceResource"] == "gpu.intel.com/xe"
+    assert spec["draft"]["minSharedAgreement"] == 0.9
+    assert "layersPerNode" not in spec
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (lambda s: s["model"].update(configMap="cfg"), "model"),
+        (lambda s: s["model"].pop("preset"), "model"),
+        (lambda s: s["nodes"].update(selector={"matchLabels": {"a": "b"}}), "nodes"),
+        (lambda s: s["nodes"]["names"].append("pc-03"), "nodes.names[11]"),
+        (lambda s: s["nodes"].update(memory="lots"), "nodes.memory"),
+        (lambda s: s.update(redis={"managed": False}), "redis.url"),
+        (lambda s: s.update(draft={"enabled": True}), "draft.enabled"),
+    ],
+)
+def test_spec_errors_name_the_field(change, field):
+    spec = example_spec()
+    change(spec)
+    with pytest.raises(SpecError) as caught:
+        parse_spec(spec)
+    assert caught.value.field == field
+    assert str(caught.value).startswith(f"spec.{field}:")
+
+
+def test_eleven_nodes_get_six_layers_each_pinned_with_a_device_and_a_chained_next_hop():
+    plan, children = rendered()
+    assert [(s.node, s.start_layer, s.end_layer) for s in plan.stages] == [
+        (n, 6 * i, 6 * i + 6) for i, n in enumerate(NODES)
+    ]
+    shards = {c["metadata"]["name"]: c for c in children if c["kind"] == "StatefulSet" and "shard" in c["metadata"]["name"]}
+    assert len(shards) == 11
+    for i, node in enumerate(NODES):
+        sts = shards[f"inkling-shard-{i}"]
+        pod = sts["spec"]["template"]["spec"]
+        assert sts["spec"]["replicas"] == 1
+        terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        assert terms == [{"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In", "values": [node]}]}]
+        container = pod["containers"][0]
+        assert container["resources"]["limits"]["gpu.intel.com/xe"] == "1"
+        args = container["args"]
+        assert args[0] == "shard" and args[args.index("--layers") + 1] == f"{6 * i}:{6 * i + 6}"
+        if i < 10:
+            assert args[args.index("--next") + 1].startswith(f"inkling-shard-{i + 1}-0.inkling-shard-{i + 1}.serving")
+        else:
+            assert args[args.index("--reply-to") + 1].startswith("inkling-router.serving.svc:")
+        assert container["volumeMounts"][0]["mountPath"] == "/models/inkling"
+        assert container["readinessProbe"]["exec"]["command"][:2] == ["cascadia", "probe"]
+    kinds = sorted({(c["kind"], c["metadata"]["name"]) for c in children} - {("StatefulSet", n) for n in shards})
+    assert ("Deployment", "inkling-router") in kinds and ("Deployment", "inkling-gateway") in kinds
+    assert ("ConfigMap", "inkling-plan") in kinds and ("StatefulSet", "inkling-redis") in kinds
+    for child in children:
+        assert child["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+
+
+def test_shards_are_applied_from_the_last_stage_to_the_first():
+    _, children = rendered()
+    order = [c["metadata"]["name"] for c in children if c["kind"] == "StatefulSet" and "shard" in c["metadata"]["name"]]
+    assert order == [f"inkling-shard-{i}" for i in reversed(range(11))]
+
+
+def test_rendered_children_are_valid_against_current_kubernetes_schemas():
+    _, children = rendered()
+    for child in children:
+        kubernetes_validate.validate(child, "1.33.0", strict=True)
+
+
+def test_a_fleet_that_cannot_fit_says_why():
+    spec = example_spec()
+    spec["nodes"]["memory"] = "16Gi"
+    parsed = parse_spec(spec)
+    with pytest.raises(PlanError, match="GiB"):
+        fleet_plan(parsed, list(parsed.node_names), None)
+
+
+NOW = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
+
+
+def _shards(ready: list[bool], since: datetime = NOW - timedelta(seconds=10)) -> tuple[ShardState, ...]:
+    return tuple(ShardState(i, f"f-shard-{i}", f"pc-{i}", r, None if r else since) for i, r in enumerate(ready))
+
+
+def test_all_ready_is_ready_and_not_degraded():
+    observed = Observed(_shards([True] * 3), (), {"router": True, "gateway": True})
+    by_type = {c.type: c for c in serving_conditions(observed, NOW, 60, "plan")}
+    assert by_type["Ready"].status == "True" and by_type["ShardsReady"].status == "True"
+    assert by_type["Degraded"].status == "False"
+
+
+def test_a_shard_unready_past_the_grace_period_degrades_the_fleet_naming_it():
+    observed = Observed(_shards([True, False, True], NOW - timedelta(seconds=120)), (), {"router": True, "gateway": True})
+    assert degraded(observed, NOW, 300).status == "False"  # still within grace
+    condition = degraded(observed, NOW, 60)
+    assert (condition.status, condition.reason) == ("True", "ShardUnready")
+    assert "f-shard-1 on pc-1" in condition.message
+    by_type = {c.type: c for c in serving_conditions(observed, NOW, 60, "plan")}
+    assert by_type["Ready"].status == "False" and "1 shard(s) not ready" in by_type["Ready"].message
+
+
+def test_a_missing_node_degrades_the_fleet_naming_it_and_its_stage():
+    observed = Observed(_shards([True, True]), ("pc-1",), {"router": True, "gateway": True})
+    condition = degraded(observed, NOW, 60)
+    assert condition.reason == "NodeMissing" and "pc-1 (stage 1)" in condition.message
+
+
+def test_conditions_keep_their_transition_time_until_their_status_flips():
+    observed = Observed(_shards([False]), (), {"router": True, "gateway": True})
+    first = merge_conditions([], serving_conditions(observed, NOW, 600, "p"), NOW, 1)
+    later = NOW + timedelta(seconds=30)
+    same = merge_conditions(first, serving_conditions(observed, later, 600, "p"), later, 1)
+    assert [c["lastTransitionTime"] for c in same] == [c["lastTransitionTime"] for c in first]
+    ready = Observed(_shards([True]), (), {"router": True, "gateway": True})
+    flipped = {c["type"]: c for c in merge_conditions(same, serving_conditions(ready, later, 600, "p"), later, 2)}
+    assert flipped["Ready"]["lastTransitionTime"] == "2026-12-02T12:00:30Z"
+    assert flipped["Planned"]["lastTransitionTime"] == "2026-12-02T12:00:00Z"
