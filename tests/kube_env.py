@@ -113,8 +113,9 @@ class KubeEnv:
                 if p.poll() is not None:
                     raise RuntimeError(f"{p.args[0]} exited; see {self.root}")
             try:
-                response = httpx.get(self.server + "/readyz", headers={"Authorization": f"Bearer {token}"},
-                                     verify=False, timeout=2)
+                response = httpx.get(
+                    self.server + "/readyz", headers={"Authorization": f"Bearer {token}"}, verify=False, timeout=2
+                )
                 if response.status_code == 200:
                     return
             except httpx.HTTPError:
@@ -122,8 +123,9 @@ class KubeEnv:
             time.sleep(0.3)
         raise TimeoutError(f"kube-apiserver not ready in {timeout} s; see {self.root}")
 
-    def run(self, tool: str, *args: str, check: bool = True, stdin: str | None = None,
-            config: Path | None = None) -> subprocess.CompletedProcess:
+    def run(
+        self, tool: str, *args: str, check: bool = True, stdin: str | None = None, config: Path | None = None
+    ) -> subprocess.CompletedProcess:
         cmd = [self.bins[tool], *args, "--kubeconfig", str(config or self.admin_config)]
         result = subprocess.run(cmd, capture_output=True, text=True, input=stdin, timeout=120)
         if check and result.returncode != 0:

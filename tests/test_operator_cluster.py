@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 import subprocess
 import time
@@ -128,11 +129,15 @@ def create_namespace(api, name: str) -> None:
             raise
 
 
-def apply_fleet(kube, namespace: str, name: str, spec: dict, check: bool = True,
-                *options: str) -> subprocess.CompletedProcess:
-    doc = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InklingFleet", "metadata": {"name": name,
-                                                                                  "namespace": namespace},
-           "spec": spec}
+def apply_fleet(
+    kube, namespace: str, name: str, spec: dict, check: bool = True, *options: str
+) -> subprocess.CompletedProcess:
+    doc = {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "InklingFleet",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": spec,
+    }
     return kube.run("kubectl", "apply", *options, "-f", "-", stdin=yaml.safe_dump(doc), check=check)
 
 
@@ -142,9 +147,13 @@ def example_spec() -> dict:
 
 
 def statefulsets(api, namespace: str, fleet_name: str) -> dict[str, Any]:
-    items = client.AppsV1Api(api).list_namespaced_stateful_set(
-        namespace, label_selector=f"cascadia.dev/fleet={fleet_name},app.kubernetes.io/component=shard"
-    ).items
+    items = (
+        client.AppsV1Api(api)
+        .list_namespaced_stateful_set(
+            namespace, label_selector=f"cascadia.dev/fleet={fleet_name},app.kubernetes.io/component=shard"
+        )
+        .items
+    )
     return {s.metadata.name: s for s in items}
 
 
@@ -165,8 +174,9 @@ def make_pods_ready(api, namespace: str, fleet_name: str, skip: set[str] = froze
 def test_chart_lints_strictly_and_renders_valid_manifests(kube):
     kube.run("helm", "lint", "--strict", str(CHART), "--set", "exampleFleet.enabled=true")
     rendered = kube.run("helm", "template", "cascadia", str(CHART), "--namespace", OPERATOR_NAMESPACE).stdout
-    validate = subprocess.run(["kubernetes-validate", "-k", "1.33.0", "--strict", "-"], input=rendered,
-                              capture_output=True, text=True)
+    validate = subprocess.run(
+        ["kubernetes-validate", "-k", "1.33.0", "--strict", "-"], input=rendered, capture_output=True, text=True
+    )
     assert validate.returncode == 0, validate.stdout + validate.stderr
     # the server checks every object (the example fleet needs the CRD first, so it is left out here)
     dry = kube.run("helm", "install", "dry", str(CHART), "--namespace", "default", "--dry-run=server")
@@ -175,8 +185,9 @@ def test_chart_lints_strictly_and_renders_valid_manifests(kube):
 
 def test_eleven_node_example_yields_eleven_pinned_statefulsets_and_a_plan(kube, api, operator, nodes):
     kube.run("kubectl", "apply", "-f", str(EXAMPLE))
-    sets = wait_for(lambda: (s := statefulsets(api, "serving", "inkling")) and len(s) == 11 and s,
-                    what="11 shard StatefulSets")
+    sets = wait_for(
+        lambda: (s := statefulsets(api, "serving", "inkling")) and len(s) == 11 and s, what="11 shard StatefulSets"
+    )
     seen_nodes = set()
     for i in range(11):
         sts = sets[f"inkling-shard-{i}"]
@@ -189,18 +200,28 @@ def test_eleven_node_example_yields_eleven_pinned_statefulsets_and_a_plan(kube, 
         assert container.resources.limits["gpu.intel.com/xe"] == "1"
         assert sts.spec.replicas == 1
     assert seen_nodes == set(NODES)
-    body = wait_for(lambda: (b := fleet(api, "serving", "inkling")).get("status", {}).get("plan") and b,
-                    what="status.plan")
-    assert body["status"]["plan"][0] | {"memoryBytes": 0} == {"node": "pc-01", "startLayer": 0, "endLayer": 6,
-                                                              "memoryBytes": 0}
+    body = wait_for(
+        lambda: (b := fleet(api, "serving", "inkling")).get("status", {}).get("plan") and b, what="status.plan"
+    )
+    assert body["status"]["plan"][0] | {"memoryBytes": 0} == {
+        "node": "pc-01",
+        "startLayer": 0,
+        "endLayer": 6,
+        "memoryBytes": 0,
+    }
     assert [(p["node"], p["startLayer"], p["endLayer"]) for p in body["status"]["plan"]] == [
         (n, 6 * i, 6 * i + 6) for i, n in enumerate(NODES)
     ]
     assert body["status"]["totalShards"] == 11
     assert condition(body, "Planned")["status"] == "True"
     assert condition(body, "Ready")["status"] == "False"
-    for kind, name in (("deployment", "inkling-router"), ("deployment", "inkling-gateway"),
-                       ("configmap", "inkling-plan"), ("service", "inkling-shard-0"), ("statefulset", "inkling-redis")):
+    for kind, name in (
+        ("deployment", "inkling-router"),
+        ("deployment", "inkling-gateway"),
+        ("configmap", "inkling-plan"),
+        ("service", "inkling-shard-0"),
+        ("statefulset", "inkling-redis"),
+    ):
         kube.run("kubectl", "get", "-n", "serving", kind, name)
     printed = kube.run("kubectl", "get", "ifleet", "-n", "serving").stdout
     assert "READY" in printed and "SHARDS" in printed and "AGE" in printed
@@ -229,9 +250,12 @@ def test_a_node_that_disappears_marks_the_fleet_degraded_naming_it(kube, api, op
 
 def test_a_shard_that_stays_unready_marks_the_fleet_degraded(kube, api, operator, nodes):
     create_namespace(api, "unready")
-    spec = {"model": {"preset": "inkling-975b", "path": "/models/inkling"},
-            "nodes": {"selector": {"matchLabels": {"cascadia.dev/pool": "pc"}}, "memory": "61Gi"},
-            "layersPerNode": 6, "serving": {"shardUnreadyGraceSeconds": 2}}
+    spec = {
+        "model": {"preset": "inkling-975b", "path": "/models/inkling"},
+        "nodes": {"selector": {"matchLabels": {"cascadia.dev/pool": "pc"}}, "memory": "61Gi"},
+        "layersPerNode": 6,
+        "serving": {"shardUnreadyGraceSeconds": 2},
+    }
     apply_fleet(kube, "unready", "slow", spec)
     wait_for(lambda: len(client.CoreV1Api(api).list_namespaced_pod(
         "unready", label_selector="cascadia.dev/fleet=slow").items) >= 13, what="pods created")  # fmt: skip
@@ -261,8 +285,9 @@ def test_an_invalid_spec_is_rejected_by_kubectl_naming_the_field(kube, api, inst
         assert client_side.returncode != 0 and field.rsplit(".", 1)[-1] in client_side.stderr
 
 
-def test_a_spec_the_schema_allows_but_the_operator_refuses_gets_a_condition_naming_the_field(kube, api, operator,
-                                                                                           nodes):
+def test_a_spec_the_schema_allows_but_the_operator_refuses_gets_a_condition_naming_the_field(
+    kube, api, operator, nodes
+):
     create_namespace(api, "refused")
     spec = example_spec()
     spec["model"]["configMap"] = "also-a-config"
@@ -300,7 +325,7 @@ def test_a_spec_change_replans_and_prunes_shards_no_longer_in_the_plan(kube, api
     sets, body = wait_for(replanned, what="10 shards")
     ranges = [(p["startLayer"], p["endLayer"]) for p in body["status"]["plan"]]
     assert ranges[0][0] == 0 and ranges[-1][1] == 66
-    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
     args = sets["moving-shard-9"].spec.template.spec.containers[0].args
     assert args[args.index("--layers") + 1] == f"{ranges[9][0]}:{ranges[9][1]}"
     assert "--reply-to" in args
@@ -313,6 +338,11 @@ def test_deleting_the_fleet_garbage_collects_its_children(kube, api, operator, n
     wait_for(lambda: len(statefulsets(api, "doomed", "short-lived")) == 11, what="11 shards")
     kube.run("kubectl", "delete", "ifleet", "-n", "doomed", "short-lived", "--wait=true")
     apps = client.AppsV1Api(api)
-    wait_for(lambda: not statefulsets(api, "doomed", "short-lived")
-             and not apps.list_namespaced_deployment("doomed").items
-             and not client.CoreV1Api(api).list_namespaced_service("doomed").items, what="children collected")
+    wait_for(
+        lambda: (
+            not statefulsets(api, "doomed", "short-lived")
+            and not apps.list_namespaced_deployment("doomed").items
+            and not client.CoreV1Api(api).list_namespaced_service("doomed").items
+        ),
+        what="children collected",
+    )

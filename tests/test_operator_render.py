@@ -37,7 +37,8 @@ def test_the_chart_ships_the_crd_generated_from_its_source():
 
 
 def test_defaults_come_from_the_schema():
-    spec = with_defaults({"model": {"preset": "inkling-975b", "path": "/m"}, "nodes": {"names": ["a"], "memory": "8Gi"}})
+    spec = {"model": {"preset": "inkling-975b", "path": "/m"}, "nodes": {"names": ["a"], "memory": "8Gi"}}
+    spec = with_defaults(spec)
     assert spec["serving"]["rowsPerGroup"] == 8
     assert spec["precision"] == {"experts": "int4", "attention": "int8", "head": "int8", "mode": "int4"}
     assert spec["nodes"]["deviceResource"] == "gpu.intel.com/xe"
@@ -71,7 +72,9 @@ def test_eleven_nodes_get_six_layers_each_pinned_with_a_device_and_a_chained_nex
     assert [(s.node, s.start_layer, s.end_layer) for s in plan.stages] == [
         (n, 6 * i, 6 * i + 6) for i, n in enumerate(NODES)
     ]
-    shards = {c["metadata"]["name"]: c for c in children if c["kind"] == "StatefulSet" and "shard" in c["metadata"]["name"]}
+    shards = {
+        c["metadata"]["name"]: c for c in children if c["kind"] == "StatefulSet" and "shard" in c["metadata"]["name"]
+    }
     assert len(shards) == 11
     for i, node in enumerate(NODES):
         sts = shards[f"inkling-shard-{i}"]
@@ -131,7 +134,8 @@ def test_all_ready_is_ready_and_not_degraded():
 
 
 def test_a_shard_unready_past_the_grace_period_degrades_the_fleet_naming_it():
-    observed = Observed(_shards([True, False, True], NOW - timedelta(seconds=120)), (), {"router": True, "gateway": True})
+    shards = _shards([True, False, True], NOW - timedelta(seconds=120))
+    observed = Observed(shards, (), {"router": True, "gateway": True})
     assert degraded(observed, NOW, 300).status == "False"  # still within grace
     condition = degraded(observed, NOW, 60)
     assert (condition.status, condition.reason) == ("True", "ShardUnready")
