@@ -12,7 +12,10 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-PROTO_ROOT = Path(__file__).resolve().parent.parent / "protos"
+# A built wheel carries the .proto files (and their generated modules) inside the package; a
+# source checkout has them in the repository's protos/.
+_PACKAGED = Path(__file__).resolve().parent / "proto_src"
+PROTO_ROOT = _PACKAGED if _PACKAGED.is_dir() else Path(__file__).resolve().parent.parent / "protos"
 OUT_DIR = Path(__file__).resolve().parent / "protos_gen"
 
 
