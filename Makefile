@@ -2,12 +2,19 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: setup run test lint bench format
+.PHONY: setup setup-kube check run test lint bench format
 
 setup:
 	# torch 2.13.0 is the CPU build on this disk; a newer one would pull CUDA wheels
 	$(PIP) install -q "torch==2.13.0"
 	$(PIP) install -q -e ".[test]"
+
+# etcd, kube-apiserver, kube-controller-manager, kubectl and helm for the operator's tests (root, apt)
+setup-kube:
+	.ci/kube-build
+
+# everything from a fresh machine: what CI runs
+check: setup setup-kube lint test
 
 run:
 	$(PYTHON) -m cascadia.cli model tiny models/tiny
