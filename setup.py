@@ -1,8 +1,8 @@
 """Generate the gRPC modules from protos/ when a wheel is built (editable installs build them on first use)."""
 
-from pathlib import Path
 import shutil
 import sys
+from pathlib import Path
 
 from setuptools import setup
 from setuptools.command.build_py import build_py

@@ -326,6 +326,7 @@ def gateway(
     max_concurrent_per_key: Annotated[
         int, typer.Option(min=0, help="Requests in flight per API key (0: no limit).")
     ] = 64,
+    max_body_bytes: Annotated[int, typer.Option(min=1024, help="Largest request body accepted.")] = 8 << 20,
 ) -> None:
     """The OpenAI-compatible REST API in front of a router."""
     import logging
@@ -338,7 +339,16 @@ def gateway(
         raise fail(f"--api-keys-file {api_keys_file}: no such file")
     name = served_model_name or model_dir.resolve().name
     try:
-        app_ = build_app(router, model_dir, name, api_keys_file, max_context, max_prompt_tokens, max_concurrent_per_key)
+        app_ = build_app(
+            router,
+            model_dir,
+            name,
+            api_keys_file,
+            max_context,
+            max_prompt_tokens,
+            max_concurrent_per_key,
+            max_body_bytes,
+        )
     except FileNotFoundError as exc:
         raise fail(f"--model {model}: {exc}") from None
     serve(app_, host, port)

@@ -84,7 +84,7 @@ def test_every_command_the_operator_renders_parses():
 
 def test_the_chart_runs_a_command_that_parses(tmp_path):
     template = (ROOT / "charts/cascadia/templates/operator-deployment.yaml").read_text()
-    assert "- operator" in template and '- --liveness-port' in template
+    assert "- operator" in template and "- --liveness-port" in template
     parse_cascadia(["operator", "--namespace", "serving", "--liveness-port", "8080"])
 
 

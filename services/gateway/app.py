@@ -60,10 +60,56 @@ class GatewayConfig:
     max_context: int = 1024  # positions a stream may use: prompt plus generated tokens
     max_prompt_tokens: int = 0  # 0: max_context - 1
     max_concurrent_per_key: int = 64  # 0: no limit
+    max_body_bytes: int = 8 << 20  # a full context of token ids fits with room to spare
 
     @property
     def prompt_limit(self) -> int:
         return self.max_prompt_tokens or self.max_context - 1
+
+
+class BodyLimit:
+    """Refuse a body over `limit` bytes with 413 before anything parses it (declared or chunked)."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def _refuse(self, send: Send) -> None:
+        error = ApiError(
+            413, f"The request body is over the limit (max_body_bytes) of {self.limit} bytes.", code="request_too_large"
+        )
+        await error.response()({"type": "http"}, None, send)  # type: ignore[arg-type]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._refuse(send)
+            return
+        if declared is not None:
+            await self.app(scope, receive, send)
+            return
+        # no length given (chunked): read up to the limit, then hand the app what was read
+        messages, size = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                await self._refuse(send)
+                return
+            if not message.get("more_body"):
+                break
+        replay = iter(messages)
+
+        async def buffered() -> Message:
+            return next(replay, None) or await receive()
+
+        await self.app(scope, buffered, send)
 
 
 class RequestCounter:
@@ -327,6 +373,7 @@ def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, ke
         response.headers.update(exc.headers or {})  # e.g. Allow on 405
         return response
 
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     app.add_middleware(RequestCounter, metrics=metrics)
 
     errors = error_responses(400, 401, 404, 413, 429, 503)

@@ -30,6 +30,7 @@ def build_app(
     max_context: int,
     max_prompt_tokens: int,
     max_concurrent_per_key: int,
+    max_body_bytes: int = 8 << 20,
 ) -> FastAPI:
     vocab, positions = model_limits(model_dir)
     config = GatewayConfig(
@@ -38,6 +39,7 @@ def build_app(
         max_context=min(max_context, positions),
         max_prompt_tokens=max_prompt_tokens,
         max_concurrent_per_key=max_concurrent_per_key,
+        max_body_bytes=max_body_bytes,
     )
     return create_app(
         config, RouterClient(router_addr), TextCodec.from_directory(model_dir), KeyRing(load_keys(keys_file))

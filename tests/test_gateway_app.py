@@ -1,0 +1,65 @@
+"""The gateway app in process (no fleet behind it): what is refused before a request reaches the router."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from cascadia.gateway.app import GatewayConfig, create_app
+from cascadia.gateway.auth import KeyRing
+from cascadia.gateway.router_client import RouterClient
+from cascadia.gateway.text import TextCodec
+from cascadia.router.local import free_port
+
+
+@pytest.fixture
+def call(tiny):
+    # nothing listens on the router's port: anything that got past the gateway's checks would be a 503
+    config = GatewayConfig("tiny", 500, max_context=64, max_body_bytes=4096)
+    app = create_app(config, RouterClient(f"127.0.0.1:{free_port()}"), TextCodec.from_directory(tiny), KeyRing(["k"]))
+
+    def run(method: str, path: str, headers: dict | None = None, **kwargs) -> httpx.Response:
+        async def go():
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+                sent = {"Authorization": "Bearer k", **(headers or {})}
+                return await client.request(method, path, headers=sent, **kwargs)
+
+        return asyncio.run(go())
+
+    return run
+
+
+def test_a_body_over_the_limit_is_refused_before_parsing(call):
+    big = {"model": "tiny", "prompt": "x" * 5000}
+    response = call("POST", "/v1/completions", json=big)
+    assert response.status_code == 413 and "max_body_bytes" in response.json()["error"]["message"]
+
+    async def chunks():
+        yield b'{"model": "tiny", "prompt": "'
+        yield b"y" * 5000
+        yield b'"}'
+
+    response = call("POST", "/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+    assert response.status_code == 413
+
+
+def test_a_valid_request_reaches_the_router_and_its_absence_is_a_503(call):
+    response = call("POST", "/v1/completions", json={"model": "tiny", "prompt": [5, 6], "max_tokens": 2})
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "unavailable"
+
+
+def test_unknown_routes_and_methods_get_openai_shaped_errors(call):
+    assert call("GET", "/v1/nothing").json()["error"]["message"] == "Not Found"
+    response = call("GET", "/v1/completions")
+    assert response.status_code == 405 and "POST" in response.headers["allow"]
+
+
+def test_the_openapi_schema_names_the_model_and_bounds_token_ids(call):
+    schema = call("GET", "/openapi.json").json()
+    request = schema["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert request["model"]["enum"] == ["tiny"]
+    assert '"maximum": 499' in str(request["prompt"]).replace("'", '"')
