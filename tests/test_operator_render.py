@@ -99,6 +99,24 @@ def test_eleven_nodes_get_six_layers_each_pinned_with_a_device_and_a_chained_nex
         assert child["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
 
 
+def test_network_policies_let_only_the_router_and_previous_stage_reach_shards():
+    _, children = rendered()
+    policies = {c["metadata"]["name"]: c["spec"] for c in children if c["kind"] == "NetworkPolicy"}
+    shard = policies["inkling-shard"]
+    sources = [p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in shard["ingress"][0]["from"]]
+    assert shard["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "shard"
+    assert sorted(sources) == ["router", "shard"] and shard["ingress"][0]["ports"][0]["port"] == 7000
+    router = policies["inkling-router"]["ingress"]
+    assert [r["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for r in router] == [
+        "gateway",
+        "shard",
+    ]
+    assert "inkling-gateway" not in policies
+    spec = example_spec()
+    spec["networkPolicies"] = False
+    assert not [c for c in rendered(spec)[1] if c["kind"] == "NetworkPolicy"]
+
+
 def test_shards_are_applied_from_the_last_stage_to_the_first():
     _, children = rendered()
     order = [c["metadata"]["name"] for c in children if c["kind"] == "StatefulSet" and "shard" in c["metadata"]["name"]]

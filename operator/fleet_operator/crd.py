@@ -129,6 +129,12 @@ SPEC = _object(
             },
         ),
         "device": _string("OpenVINO device the shards run on.", enum=["GPU", "CPU"], default="GPU"),
+        "networkPolicies": _s(
+            "Render NetworkPolicies: only the router and the previous stage reach a shard, only "
+            "the gateway the router.",
+            type="boolean",
+            default=True,
+        ),
         "serving": _object(
             "Scheduling and memory budget.",
             {

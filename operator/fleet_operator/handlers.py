@@ -33,7 +33,13 @@ from cascadia.planner import FleetPlan, PlanError
 
 FIELD_MANAGER = "cascadia-operator"
 INTERVAL = float(os.environ.get("CASCADIA_OPERATOR_INTERVAL", "10"))
-CHILD_KINDS = (("v1", "ConfigMap"), ("v1", "Service"), ("apps/v1", "StatefulSet"), ("apps/v1", "Deployment"))
+CHILD_KINDS = (
+    ("v1", "ConfigMap"),
+    ("v1", "Service"),
+    ("apps/v1", "StatefulSet"),
+    ("apps/v1", "Deployment"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
+)
 log = logging.getLogger("cascadia.operator")
 
 

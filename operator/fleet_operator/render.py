@@ -301,7 +301,7 @@ def redis_children(fleet: Fleet) -> list[dict[str, Any]]:
     container = _container(
         "redis", spec.get("images", "redis"), ["--save", "", "--appendonly", "no"], spec,
         ports=[{"name": "redis", "containerPort": REDIS_PORT, "protocol": "TCP"}],
-        readinessProbe={"tcpSocket": {"port": "redis"}, "periodSeconds": 10},
+        readinessProbe={"exec": {"command": ["redis-cli", "ping"]}, "periodSeconds": 10},
         resources=_resources(spec, "redis"), volumeMounts=[{"name": "data", "mountPath": "/data"}],
     )  # fmt: skip
     pod = _workload_pod(fleet, "redis", [container], [{"name": "data", "emptyDir": {}}])
@@ -317,6 +317,38 @@ def redis_children(fleet: Fleet) -> list[dict[str, Any]]:
         },
     }
     return [statefulset, headless_service(fleet, name, "redis", [{"name": "redis", "port": REDIS_PORT}])]
+
+
+def _peers(fleet: Fleet, *components: str) -> list[dict[str, Any]]:
+    return [{"podSelector": {"matchLabels": selector(fleet, c)}} for c in components]
+
+
+def _policy(fleet: Fleet, component: str, rules: list[tuple[list[str], int]]) -> dict[str, Any]:
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(fleet, f"{fleet.name}-{component}", "network-policy"),
+        "spec": {
+            "podSelector": {"matchLabels": selector(fleet, component)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": _peers(fleet, *sources), "ports": [{"protocol": "TCP", "port": port}]}
+                for sources, port in rules
+            ],
+        },
+    }
+
+
+def network_policies(fleet: Fleet) -> list[dict[str, Any]]:
+    """Only the router and the stage before reach a shard; only the gateway reaches the router's API,
+    and only the last stage its collector. The gateway is the fleet's public face and stays open."""
+    policies = [
+        _policy(fleet, "shard", [(["router", "shard"], SHARD_PORT)]),
+        _policy(fleet, "router", [(["gateway"], ROUTER_PORT), (["shard"], COLLECT_PORT)]),
+    ]
+    if fleet.spec.get("redis", "managed"):
+        policies.append(_policy(fleet, "redis", [(["draft", "router"], REDIS_PORT)]))
+    return policies
 
 
 def plan_configmap(fleet: Fleet, plan: FleetPlan) -> dict[str, Any]:
@@ -347,6 +379,8 @@ def render(fleet: Fleet, plan: FleetPlan) -> list[dict[str, Any]]:
     a stage starts pointing at it; then the router that admits requests and the gateway in front.
     """
     children = [plan_configmap(fleet, plan)]
+    if fleet.spec.get("networkPolicies"):
+        children += network_policies(fleet)
     for stage in reversed(range(len(plan.stages))):
         name = shard_name(fleet, stage)
         ports = [{"name": "grpc", "port": SHARD_PORT, "targetPort": "grpc"}]
