@@ -624,6 +624,43 @@ def bench_fleet(
     sys.stdout.write(json.dumps(run_fleet_bench(config, err), indent=2) + "\n")
 
 
+@bench_app.command("load")
+def bench_load(
+    model: Annotated[str, typer.Option(help="Checkpoint directory.")] = "models/tiny",
+    out: Annotated[Path, typer.Option(help="Directory for JSON and PNG results.")] = Path("bench-out/load"),
+    shards: Annotated[int, typer.Option(min=1)] = 3,
+    clients: Annotated[str, typer.Option(help="Concurrent streaming clients per round, comma separated.")] = (
+        "1,32,176"
+    ),
+    rounds: Annotated[int, typer.Option(min=1, help="Rounds per client count (memory growth shows across them).")] = 2,
+    max_tokens: Annotated[int, typer.Option(min=1)] = 32,
+    prompt_min: Annotated[int, typer.Option(min=1)] = 16,
+    prompt_max: Annotated[int, typer.Option(min=1)] = 512,
+    cancel_share: Annotated[float, typer.Option(min=0.0, max=1.0, help="Share of clients that hang up early.")] = 0.1,
+) -> None:
+    """Streaming clients through the gateway of a local fleet: outcomes, tok/s, latency, memory per process."""
+    from cascadia.bench.load import LoadBenchConfig, run_load_bench
+
+    model_dir = resolve_model(model)
+    if prompt_max < prompt_min:
+        raise fail(f"--prompt-max {prompt_max} is below --prompt-min {prompt_min}")
+    try:
+        counts = tuple(int(c) for c in clients.split(",") if c)
+    except ValueError:
+        raise fail(f"--clients '{clients}': expected integers separated by commas") from None
+    config = LoadBenchConfig(model_dir, out, shards, counts, rounds, max_tokens, prompt_min, prompt_max, cancel_share)
+    results = run_load_bench(config, err)
+    sys.stdout.write(
+        json.dumps(
+            [
+                {k: r[k] for k in ("clients", "round", "completed", "failed", "cancelled", "tokens_per_s")}
+                for r in results["rounds"]
+            ]
+        )
+        + "\n"
+    )
+
+
 def main() -> None:
     app()
 

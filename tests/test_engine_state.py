@@ -145,9 +145,22 @@ def test_middle_stage_takes_hidden_rows_and_checks_their_shape(tiny):
     np.testing.assert_allclose(split, whole.step([Segment("s", 0, 20)], IDS[:20]).logits, rtol=0, atol=1e-5)
 
 
-def test_f16_expert_arithmetic_on_the_cpu_is_refused_with_a_reason(tiny):
+def test_f16_expert_arithmetic_on_the_cpu_is_refused_with_a_reason_or_runs_close_to_f32(tiny):
+    # whether the CPU plugin compiles f16 fused experts depends on the processor (AVX2-only parts
+    # run the f16 hint in f32; some AVX-512 parts refuse the fused graph): either outcome must be right
     from cascadia.engine.engine import UnsupportedSettings
 
     settings = EngineSettings(expert_weights="f16", expert_compute="f16")
-    with pytest.raises(UnsupportedSettings, match="expert_compute=f16"):
-        StageEngine(load_stage(tiny, 1, 2), settings)
+    try:
+        engine = StageEngine(load_stage(tiny, 1, 2), settings)
+    except UnsupportedSettings as exc:
+        assert "expert_compute=f16" in str(exc)
+        return
+    reference = StageEngine(load_stage(tiny, 1, 2), EngineSettings(expert_weights="f16"))
+    rows = np.random.default_rng(0).standard_normal((5, load_shape(tiny).hidden_size)).astype(np.float32)
+    out = []
+    for e in (engine, reference):
+        e.open("s")
+        out.append(e.step([Segment("s", 0, 5)], rows).hidden)
+    rel = np.sqrt(np.mean((out[0] - out[1]) ** 2) / np.mean(out[1] ** 2))
+    assert rel < 1e-2
