@@ -71,14 +71,14 @@ def summarise(outcomes: list[RequestOutcome], elapsed: float) -> dict[str, Any]:
     }
 
 
-async def _one(client, prompt: list[int], max_tokens: int, hang_up_after: int | None) -> RequestOutcome:
+async def _one(client, model: str, prompt: list[int], max_tokens: int, hang_up_after: int | None) -> RequestOutcome:
     import openai
 
     outcome = RequestOutcome("completed")
     started = last = time.perf_counter()
     try:
         stream = await client.completions.create(
-            model="load", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True
+            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True
         )
         async for _ in stream:
             now = time.perf_counter()
@@ -112,10 +112,11 @@ async def run_round(base_url: str, clients: int, config: LoadBenchConfig, rng: n
         timeout=600,
         http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=clients + 8)),
     )
-    started = time.perf_counter()
     try:
+        model = (await client.models.list()).data[0].id
+        started = time.perf_counter()
         outcomes = await asyncio.gather(
-            *(_one(client, p, config.max_tokens, h) for p, h in zip(prompts, hang_ups, strict=True))
+            *(_one(client, model, p, config.max_tokens, h) for p, h in zip(prompts, hang_ups, strict=True))
         )
     finally:
         await client.close()
