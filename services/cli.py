@@ -661,6 +661,53 @@ def bench_load(
     )
 
 
+@bench_app.command("model")
+def bench_model(
+    engine_json: Annotated[Path, typer.Option(help="Output of cascadia bench engine.")] = Path(
+        "docs/bench/engine.json"
+    ),
+    fleet_json: Annotated[Path, typer.Option(help="Output of cascadia bench fleet.")] = Path("docs/bench/fleet.json"),
+    preset_name: Annotated[str, typer.Option("--preset", help="Model shape.")] = "inkling-975b",
+    nodes: Annotated[int, typer.Option(min=1)] = 11,
+    node_memory: Annotated[str, typer.Option(help="Usable memory per node.")] = "61Gi",
+    layers_per_node: Annotated[int | None, typer.Option(min=1)] = 6,
+    precision: Annotated[str, typer.Option(help="Engine mode whose measured efficiency applies.")] = "int4",
+    node_bandwidth: Annotated[float, typer.Option(help="Memory read bandwidth per node, GB/s.")] = 100.0,
+    streams: Annotated[str, typer.Option(help="Stream counts, comma separated.")] = "1,8,16,32,64,88,128,176",
+    out: Annotated[Path, typer.Option(help="Directory for JSON and PNG results.")] = Path("bench-out/model"),
+    frame_overhead_ms: Annotated[
+        float | None, typer.Option(min=0.0, help="Use this per-frame cost instead of the fleet bench's.")
+    ] = None,
+) -> None:
+    """Predict the fleet's decode tok/s from measured stage efficiency and per-frame cost."""
+    from dataclasses import replace
+
+    from cascadia.bench.model import measured_from, run_model
+    from cascadia.planner import PlanError, PlanRequest, parse_size, plan_fleet, preset_shape
+
+    for path in (engine_json, fleet_json):
+        if not path.is_file():
+            raise fail(f"{path}: no such file (run cascadia bench engine / fleet first)")
+    try:
+        shape = preset_shape(preset_name)
+        request = PlanRequest(
+            tuple(f"node-{i}" for i in range(nodes)),
+            parse_size(node_memory),
+            layers_per_node=layers_per_node,
+            streams=176,
+        )
+        plan = plan_fleet(shape, request)
+        measured = measured_from(engine_json, fleet_json, precision)
+        if frame_overhead_ms is not None:
+            given = measured.source + ", per-frame cost given"
+            measured = replace(measured, frame_overhead_s=frame_overhead_ms / 1e3, source=given)
+    except (PlanError, KeyError, ValueError) as exc:
+        raise fail(str(exc)) from None
+    counts = [int(c) for c in streams.split(",") if c]
+    result = run_model(shape, plan, request, measured, node_bandwidth * 1e9, counts, out)
+    sys.stdout.write(json.dumps(result["rows"]) + "\n")
+
+
 def main() -> None:
     app()
 

@@ -469,3 +469,48 @@ def test_schemathesis_finds_no_server_errors_and_responses_conform(live, gateway
     result = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     _wait_until_free(live)
+
+
+def test_the_gateway_rides_out_a_router_restart(tiny, tmp_path):
+    from cascadia.router.local import LocalFleet
+
+    fleet = LocalFleet(tiny, 2)
+    fleet.start(tmp_path)
+    router_port, port = free_port(), free_port()
+    fleet.start_router(router_port, tmp_path / "router.log")
+    env = {k: v for k, v in os.environ.items() if k != "CASCADIA_API_KEYS"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "cascadia.cli",
+        "gateway",
+        "--router",
+        f"127.0.0.1:{router_port}",
+        "--model",
+        str(tiny),
+        "--port",
+        str(port),
+    ]
+    gateway = subprocess.Popen(cmd, env=env, stdout=(tmp_path / "gateway.log").open("w"), stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
+    try:
+        wait_ready(base, gateway)
+        first = httpx.post(base + "/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
+        fleet.router.kill()
+        fleet.router.wait()
+        deadline = time.monotonic() + 15
+        while httpx.get(base + "/readyz").status_code != 503:
+            assert time.monotonic() < deadline, "readiness did not follow the router down"
+            time.sleep(0.2)
+        down = httpx.post(base + "/v1/completions", json=body, timeout=30)
+        assert down.status_code == 503 and down.json()["error"]["code"] == "unavailable"
+        fleet.start_router(router_port, tmp_path / "router-2.log")
+        wait_ready(base, gateway, timeout=60)
+        again = httpx.post(base + "/v1/completions", json=body, timeout=30)
+        assert again.status_code == 200 and again.json()["choices"][0]["text"] == first
+        assert gateway.poll() is None
+    finally:
+        gateway.terminate()
+        gateway.wait(15)
+        fleet.stop()

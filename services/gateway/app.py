@@ -41,6 +41,7 @@ from cascadia.gateway.schemas import (
     ModelCard,
     ModelList,
     SamplingFields,
+    StreamOptions,
     TopLogprob,
     Usage,
     error_responses,
@@ -275,6 +276,49 @@ async def _stream(
         release()
 
 
+@dataclass(frozen=True)
+class _Envelope:
+    """The fields every streamed chunk of one response carries, and its closing usage chunk."""
+
+    generation: Generation
+    object: str
+    created: int
+    model: str
+    options: StreamOptions | None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.options is not None and self.options.include_usage
+
+    def chunk(self, choice: dict[str, Any] | None) -> dict[str, Any]:
+        out = {
+            "id": self.generation.request_id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice] if choice else [],
+        }
+        if self.include_usage:
+            out["usage"] = None  # only the last chunk carries it
+        return out
+
+    def usage(self) -> dict[str, Any]:
+        return self.chunk(None) | {"usage": _usage(self.generation).model_dump()}
+
+
+def _streaming_response(
+    request: Request,
+    generation: Generation,
+    chunks: Callable[[Delta], dict | None],
+    envelope: _Envelope,
+    release: Callable[[], None],
+    metrics: GatewayMetrics,
+) -> Response:
+    usage = envelope.usage if envelope.include_usage else None
+    stream = _stream(request, generation, chunks, usage, release, metrics)
+    return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
 def _usage(generation: Generation) -> Usage:
     prompt, completion = len(generation.prompt), generation.completion_tokens
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
@@ -428,32 +472,12 @@ def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, ke
                     logprobs = _completion_logprobs(delta.tokens, offset, top > 0).model_dump()
                     offset += sum(len(t.text) for t in delta.tokens)
                 choice = {"index": 0, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
-                out = {
-                    "id": generation.request_id,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": config.model_name,
-                    "choices": [choice],
-                }
-                if body.stream_options and body.stream_options.include_usage:
-                    out["usage"] = None
-                return out
+                return envelope.chunk(choice)
 
-            def usage() -> dict:
-                return {
-                    "id": generation.request_id,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": config.model_name,
-                    "choices": [],
-                    "usage": _usage(generation).model_dump(),
-                }
-
-            include = body.stream_options is not None and body.stream_options.include_usage
-            stream = _stream(
-                request, generation, chunk, usage if include else None, lambda: gateway.limiter.release(key), metrics
+            envelope = _Envelope(generation, "text_completion", created, config.model_name, body.stream_options)
+            return _streaming_response(
+                request, generation, chunk, envelope, lambda: gateway.limiter.release(key), metrics
             )
-            return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
         try:
             await _run_watched(request, generation)
         finally:
@@ -490,7 +514,6 @@ def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, ke
         created = int(time.time())
         gateway.limiter.acquire(key)
         if body.stream:
-            include = body.stream_options is not None and body.stream_options.include_usage
             first = True
 
             def chunk(delta: Delta) -> dict | None:
@@ -505,31 +528,12 @@ def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, ke
                 first = False
                 logprobs = _chat_logprobs(delta.tokens).model_dump() if body.logprobs else None
                 choice = {"index": 0, "delta": content, "logprobs": logprobs, "finish_reason": delta.finish_reason}
-                out = {
-                    "id": generation.request_id,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": config.model_name,
-                    "choices": [choice],
-                }
-                if include:
-                    out["usage"] = None
-                return out
+                return envelope.chunk(choice)
 
-            def usage() -> dict:
-                return {
-                    "id": generation.request_id,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": config.model_name,
-                    "choices": [],
-                    "usage": _usage(generation).model_dump(),
-                }
-
-            stream = _stream(
-                request, generation, chunk, usage if include else None, lambda: gateway.limiter.release(key), metrics
+            envelope = _Envelope(generation, "chat.completion.chunk", created, config.model_name, body.stream_options)
+            return _streaming_response(
+                request, generation, chunk, envelope, lambda: gateway.limiter.release(key), metrics
             )
-            return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
         try:
             await _run_watched(request, generation)
         finally:

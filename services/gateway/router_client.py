@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cascadia.engine.sampling import SamplingParams
 from cascadia.gateway.errors import ApiError
 from cascadia.protos import load
+from cascadia.wire import sampling_message
 
 pb, rpc = load()
 
@@ -61,16 +62,7 @@ class RouterClient:
             self._channel = None
 
     def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> grpc.aio.UnaryStreamCall:
-        sampling = pb.Sampling(
-            temperature=params.temperature,
-            top_k=params.top_k,
-            top_p=params.top_p,
-            seed=params.seed or 0,
-            has_seed=params.seed is not None,
-            top_logprobs=params.top_logprobs,
-            presence_penalty=params.presence_penalty,
-            frequency_penalty=params.frequency_penalty,
-        )
+        sampling = sampling_message(params)
         message = pb.GenerateRequest(
             request_id=request_id,
             prompt_ids=prompt,

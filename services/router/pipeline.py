@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cascadia.router.scheduler import Emitted, Frame, Request, Scheduler, SchedulerConfig
 from cascadia.shard.service import CHANNEL_OPTIONS, pb, rpc
+from cascadia.wire import sampling_message
 
 log = logging.getLogger("cascadia.router")
 CLOSE_ONLY_FRAME = 2**63  # frames that only free state carry this id and return no tokens
@@ -192,16 +193,7 @@ class PipelineDriver:
         for row in frame.rows:
             if row.opens:
                 params = self._pending[row.stream].request.params
-                sampling = pb.Sampling(
-                    temperature=params.temperature,
-                    top_k=params.top_k,
-                    top_p=params.top_p,
-                    seed=params.seed or 0,
-                    has_seed=params.seed is not None,
-                    top_logprobs=params.top_logprobs,
-                    presence_penalty=params.presence_penalty,
-                    frequency_penalty=params.frequency_penalty,
-                )
+                sampling = sampling_message(params)
                 out.opens.append(pb.StreamOpen(stream=row.stream, sampling=sampling))
             out.rows.append(
                 pb.RowBlock(stream=row.stream, start=row.start, length=len(row.tokens), wants_token=row.wants_token)

@@ -9,10 +9,10 @@ import logging
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from cascadia.engine.sampling import SamplingParams
 from cascadia.router.pipeline import PipelineDriver
 from cascadia.router.scheduler import Overloaded, Request
 from cascadia.shard.service import CHANNEL_OPTIONS, pb, rpc
+from cascadia.wire import sampling_params
 
 log = logging.getLogger("cascadia.router")
 
@@ -23,19 +23,8 @@ class RouterServicer(rpc.RouterServicer):
         self._ids = itertools.count()
 
     async def Generate(self, request, context):
-        s = request.sampling
         try:
-            params = SamplingParams(
-                temperature=s.temperature,
-                top_k=s.top_k,
-                top_p=s.top_p or 1.0,
-                seed=s.seed if s.has_seed else None,
-                max_tokens=request.max_tokens or 16,
-                stop_ids=frozenset(request.stop_ids),
-                presence_penalty=s.presence_penalty,
-                frequency_penalty=s.frequency_penalty,
-                top_logprobs=s.top_logprobs,
-            )
+            params = sampling_params(request.sampling, request.max_tokens or 16, frozenset(request.stop_ids))
             rid = request.request_id or f"req-{next(self._ids)}"
             pending = await self.driver.submit(Request(rid, tuple(request.prompt_ids), params))
         except Overloaded as exc:

@@ -20,6 +20,7 @@ from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.sampling import SamplingParams, apply_penalties, choose, log_softmax
 from cascadia.protos import load
+from cascadia.wire import sampling_params
 
 pb, rpc = load()
 log = logging.getLogger("cascadia.shard")
@@ -36,19 +37,6 @@ class _Sampler:
     params: SamplingParams
     rng: np.random.Generator
     counts: np.ndarray | None = None  # how often each token was sampled, for the penalties
-
-
-def sampling_params(s) -> SamplingParams:
-    """The last stage's share of a request's parameters (stop conditions stay with the router)."""
-    return SamplingParams(
-        temperature=s.temperature,
-        top_k=s.top_k,
-        top_p=s.top_p or 1.0,
-        seed=s.seed if s.has_seed else None,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        top_logprobs=s.top_logprobs,
-    )
 
 
 def check_frame(frame, expected: dict[str, int], is_first: bool, hidden_size: int, vocab: int) -> dict[str, int]:

@@ -1,0 +1,36 @@
+"""Sampling parameters to and from their wire form (`cascadia.v1.Sampling`), one place for both ways."""
+
+from __future__ import annotations
+
+from cascadia.engine.sampling import SamplingParams
+from cascadia.protos import load
+
+pb, _ = load()
+
+
+def sampling_message(params: SamplingParams):
+    return pb.Sampling(
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        seed=params.seed or 0,
+        has_seed=params.seed is not None,
+        top_logprobs=params.top_logprobs,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+    )
+
+
+def sampling_params(message, max_tokens: int = 16, stop_ids: frozenset[int] = frozenset()) -> SamplingParams:
+    """Raises ValueError naming the parameter that is out of range."""
+    return SamplingParams(
+        temperature=message.temperature,
+        top_k=message.top_k,
+        top_p=message.top_p or 1.0,
+        seed=message.seed if message.has_seed else None,
+        max_tokens=max_tokens,
+        stop_ids=stop_ids,
+        presence_penalty=message.presence_penalty,
+        frequency_penalty=message.frequency_penalty,
+        top_logprobs=message.top_logprobs,
+    )
