@@ -607,10 +607,18 @@ def bench_fleet(
     streams: Annotated[str, typer.Option(help="Stream counts, comma separated.")] = "1,2,4,8,16,32,64,88",
     new_tokens: Annotated[int, typer.Option(min=2)] = 32,
     precision: Annotated[str, typer.Option()] = "f32",
+    link_rate: Annotated[str | None, typer.Option(help="Shape each shard's link: tc rate, e.g. 1gbit.")] = None,
+    link_delay_ms: Annotated[float, typer.Option(min=0.0, help="Added latency per shaped link.")] = 0.0,
+    link_loss: Annotated[float, typer.Option(min=0.0, max=99.0, help="Packet loss percent per shaped link.")] = 0.0,
 ) -> None:
-    """Aggregate decode tok/s of local fleets against one process, and the per-hop cost on loopback."""
+    """Aggregate decode tok/s of local fleets against one process, and the per-hop cost on loopback.
+
+    With --link-rate, every shard runs in its own network namespace behind a veth link shaped by
+    tc netem (needs root), so each hop crosses a link like the fleet's.
+    """
     from cascadia.bench.engine import EngineBenchConfig, ensure_model
     from cascadia.bench.fleet import FleetBenchConfig, run_fleet_bench
+    from cascadia.router.netem import LinkShape
 
     model_dir = ensure_model(EngineBenchConfig(model=model, out=Path("bench-out/engine")), err)
     config = FleetBenchConfig(
@@ -620,8 +628,13 @@ def bench_fleet(
         streams=tuple(int(x) for x in streams.split(",") if x),
         new_tokens=new_tokens,
         precision=precision,
+        link=LinkShape(link_rate, link_delay_ms, link_loss) if link_rate else None,
     )
-    sys.stdout.write(json.dumps(run_fleet_bench(config, err), indent=2) + "\n")
+    try:
+        summary = run_fleet_bench(config, err)
+    except RuntimeError as exc:
+        raise fail(str(exc)) from None
+    sys.stdout.write(json.dumps(summary, indent=2) + "\n")
 
 
 @bench_app.command("load")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import statistics
 import time
@@ -17,6 +18,7 @@ from rich.console import Console
 from cascadia.engine.sampling import SamplingParams
 from cascadia.model.config import load_shape
 from cascadia.router.local import LocalFleet, free_port
+from cascadia.router.netem import EmulatedNetwork, LinkShape
 from cascadia.router.pipeline import PipelineDriver
 from cascadia.router.scheduler import Request, SchedulerConfig
 from cascadia.shard.service import CHANNEL_OPTIONS, pb, rpc
@@ -32,6 +34,7 @@ class FleetBenchConfig:
     new_tokens: int = 32
     rows_per_group: int = 8
     precision: str = "f32"
+    link: LinkShape | None = None  # shards behind emulated links instead of loopback
 
 
 class _Sink(rpc.ShardServicer):
@@ -108,13 +111,21 @@ def run_fleet_bench(config: FleetBenchConfig, console: Console) -> dict[str, Any
     config.out.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {"model": str(config.model), "hop": asyncio.run(hop_cost()), "fleets": {}}
     console.print(f"one hop of 8 x 6144 FP32 on loopback: {summary['hop']['median_ms']:.3f} ms")
+    if config.link is not None:
+        summary["link"] = {
+            "rate": config.link.rate,
+            "delay_ms": config.link.delay_ms,
+            "loss_percent": config.link.loss_percent,
+        }
     for shards in config.shards:
-        fleet = LocalFleet(config.model, shards, config.precision)
-        fleet.start(log_dir=config.out)
-        try:
-            summary["fleets"][str(shards)] = asyncio.run(_run_fleet(fleet, config, console))
-        finally:
-            fleet.stop()
+        with contextlib.ExitStack() as stack:
+            network = stack.enter_context(EmulatedNetwork(shards, config.link)) if config.link else None
+            fleet = LocalFleet(config.model, shards, config.precision, network=network)
+            fleet.start(log_dir=config.out)
+            try:
+                summary["fleets"][str(shards)] = asyncio.run(_run_fleet(fleet, config, console))
+            finally:
+                fleet.stop()
     if "1" in summary["fleets"]:
         base = summary["fleets"]["1"]
         for results in summary["fleets"].values():

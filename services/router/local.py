@@ -12,6 +12,7 @@ from pathlib import Path
 
 from cascadia.model.config import load_shape
 from cascadia.planner import GIB, PlanRequest, plan_fleet
+from cascadia.router.netem import EmulatedNetwork
 
 
 def free_port() -> int:
@@ -42,14 +43,18 @@ class LocalFleet:
     ports: list[int] = field(default_factory=list)
     processes: list[subprocess.Popen] = field(default_factory=list)
     router: subprocess.Popen | None = None
+    network: EmulatedNetwork | None = None  # shards in their own namespaces behind shaped links
 
     @property
     def stage_addrs(self) -> list[str]:
+        if self.network is not None:
+            return [f"{h.address}:{p}" for h, p in zip(self.network.plan.hosts, self.ports, strict=False)]
         return [f"127.0.0.1:{p}" for p in self.ports]
 
     @property
     def reply_addr(self) -> str:
-        return f"127.0.0.1:{self.reply_port}"
+        host = self.network.plan.gateway_address if self.network is not None else "127.0.0.1"
+        return f"{host}:{self.reply_port}"
 
     def start(self, log_dir: Path | None = None) -> None:
         self._ranges = local_ranges(self.model, self.shards)
@@ -61,7 +66,8 @@ class LocalFleet:
         start, end = self._ranges[i]
         last = i + 1 == len(self._ranges)
         hop = ["--reply-to", self.reply_addr] if last else ["--next", self.stage_addrs[i + 1]]
-        cmd = [sys.executable, "-m", "cascadia.cli", "shard", "--model", str(self.model)]
+        cmd = self.network.prefix(i) if self.network is not None else []
+        cmd += [sys.executable, "-m", "cascadia.cli", "shard", "--model", str(self.model)]
         cmd += ["--layers", f"{start}:{end}", "--listen", self.stage_addrs[i], "--stage", str(i)]
         cmd += ["--precision", self.precision, *hop]
         out = open(self._log_dir / f"shard-{i}.log", "a") if self._log_dir else subprocess.DEVNULL  # noqa: SIM115
