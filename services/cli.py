@@ -415,6 +415,9 @@ def up(
     max_context: Annotated[
         int, typer.Option(min=2, help="Positions per request: prompt plus generated tokens.")
     ] = 1024,
+    max_concurrent_per_key: Annotated[
+        int, typer.Option(min=0, help="Requests in flight per API key (0: no limit).")
+    ] = 64,
     log_dir: Annotated[Path | None, typer.Option(help="Write each process's log here.")] = None,
 ) -> None:
     """The whole fleet on this machine: shard processes, the router and the gateway, until Ctrl-C."""
@@ -435,12 +438,14 @@ def up(
         raise fail(str(exc)) from None
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
-    fleet = LocalFleet(model_dir, shards, precision)
+    # the shards hold what the gateway admits: prompt plus generated tokens per stream
+    fleet = LocalFleet(model_dir, shards, precision, context=max_context)
     fleet.start(log_dir)
     router_port = router_port or free_port()
     router_proc = fleet.start_router(router_port, log_dir / "router.log" if log_dir else None)
     cmd = [sys.executable, "-m", "cascadia.cli", "gateway", "--router", f"127.0.0.1:{router_port}"]
     cmd += ["--model", str(model_dir), "--port", str(port), "--max-context", str(max_context)]
+    cmd += ["--max-concurrent-per-key", str(max_concurrent_per_key)]
     if api_keys_file is not None:
         cmd += ["--api-keys-file", str(api_keys_file)]
     gateway_log = open(log_dir / "gateway.log", "w") if log_dir else None  # noqa: SIM115

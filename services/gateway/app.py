@@ -220,6 +220,13 @@ class Gateway:
         )
 
 
+async def _run_to_end(gateway: Gateway, request: Request, generation: Generation, key: str) -> None:
+    try:
+        await _run_watched(request, generation)
+    finally:
+        gateway.limiter.release(key)
+
+
 async def _wait_for_disconnect(request: Request) -> None:
     while True:
         message = await request.receive()
@@ -478,10 +485,7 @@ def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, ke
             return _streaming_response(
                 request, generation, chunk, envelope, lambda: gateway.limiter.release(key), metrics
             )
-        try:
-            await _run_watched(request, generation)
-        finally:
-            gateway.limiter.release(key)
+        await _run_to_end(gateway, request, generation, key)
         logprobs = _completion_logprobs(generation.logprobs, 0, top > 0) if body.logprobs is not None else None
         choice = CompletionChoice(
             index=0, text=generation.text, logprobs=logprobs, finish_reason=generation.finish_reason
@@ -534,10 +538,7 @@ def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, ke
             return _streaming_response(
                 request, generation, chunk, envelope, lambda: gateway.limiter.release(key), metrics
             )
-        try:
-            await _run_watched(request, generation)
-        finally:
-            gateway.limiter.release(key)
+        await _run_to_end(gateway, request, generation, key)
         logprobs = _chat_logprobs(generation.logprobs) if body.logprobs else None
         choice = ChatChoice(
             index=0,

@@ -44,6 +44,7 @@ class LocalFleet:
     processes: list[subprocess.Popen] = field(default_factory=list)
     router: subprocess.Popen | None = None
     network: EmulatedNetwork | None = None  # shards in their own namespaces behind shaped links
+    context: int | None = None  # global-layer positions per stream on every shard (None: the default)
 
     @property
     def stage_addrs(self) -> list[str]:
@@ -70,6 +71,8 @@ class LocalFleet:
         cmd += [sys.executable, "-m", "cascadia.cli", "shard", "--model", str(self.model)]
         cmd += ["--layers", f"{start}:{end}", "--listen", self.stage_addrs[i], "--stage", str(i)]
         cmd += ["--precision", self.precision, *hop]
+        if self.context is not None:
+            cmd += ["--context", str(self.context)]
         out = open(self._log_dir / f"shard-{i}.log", "a") if self._log_dir else subprocess.DEVNULL  # noqa: SIM115
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
 
