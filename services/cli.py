@@ -305,6 +305,15 @@ def router(
     run_until_signal(serve(driver, listen))
 
 
+# Options the gateway and `up` share, spelled once.
+ApiKeysFile = Annotated[
+    Path | None,
+    typer.Option(exists=True, dir_okay=False, help="File of API keys, one per line (also $CASCADIA_API_KEYS)."),
+]
+MaxContext = Annotated[int, typer.Option(min=2, help="Positions per request: prompt plus generated tokens.")]
+MaxConcurrentPerKey = Annotated[int, typer.Option(min=0, help="Requests in flight per API key (0: no limit).")]
+
+
 @app.command()
 def gateway(
     router: Annotated[str, typer.Option(help="Address of the router's gRPC API.")],
@@ -314,18 +323,12 @@ def gateway(
     served_model_name: Annotated[
         str | None, typer.Option(help="Model name clients ask for (default: the directory name).")
     ] = None,
-    api_keys_file: Annotated[
-        Path | None, typer.Option(help="File of API keys, one per line (also $CASCADIA_API_KEYS).")
-    ] = None,
-    max_context: Annotated[
-        int, typer.Option(min=2, help="Positions per request: prompt plus generated tokens.")
-    ] = 1024,
+    api_keys_file: ApiKeysFile = None,
+    max_context: MaxContext = 1024,
     max_prompt_tokens: Annotated[
         int, typer.Option(min=0, help="Longest prompt accepted (0: the context less one).")
     ] = 0,
-    max_concurrent_per_key: Annotated[
-        int, typer.Option(min=0, help="Requests in flight per API key (0: no limit).")
-    ] = 64,
+    max_concurrent_per_key: MaxConcurrentPerKey = 64,
     max_body_bytes: Annotated[int, typer.Option(min=1024, help="Largest request body accepted.")] = 8 << 20,
 ) -> None:
     """The OpenAI-compatible REST API in front of a router."""
@@ -335,8 +338,6 @@ def gateway(
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     model_dir = resolve_model(model)
-    if api_keys_file is not None and not api_keys_file.is_file():
-        raise fail(f"--api-keys-file {api_keys_file}: no such file")
     name = served_model_name or model_dir.resolve().name
     try:
         app_ = build_app(
@@ -409,15 +410,9 @@ def up(
     router_port: Annotated[
         int, typer.Option(min=0, max=65535, help="Port of the router's gRPC API (0: any free).")
     ] = 0,
-    api_keys_file: Annotated[
-        Path | None, typer.Option(help="File of API keys, one per line (also $CASCADIA_API_KEYS).")
-    ] = None,
-    max_context: Annotated[
-        int, typer.Option(min=2, help="Positions per request: prompt plus generated tokens.")
-    ] = 1024,
-    max_concurrent_per_key: Annotated[
-        int, typer.Option(min=0, help="Requests in flight per API key (0: no limit).")
-    ] = 64,
+    api_keys_file: ApiKeysFile = None,
+    max_context: MaxContext = 1024,
+    max_concurrent_per_key: MaxConcurrentPerKey = 64,
     log_dir: Annotated[Path | None, typer.Option(help="Write each process's log here.")] = None,
 ) -> None:
     """The whole fleet on this machine: shard processes, the router and the gateway, until Ctrl-C."""
@@ -430,8 +425,6 @@ def up(
     model_dir = resolve_model(model)
     if precision not in PRECISION_PRESETS:
         raise fail(f"--precision '{precision}' is not one of {', '.join(PRECISION_PRESETS)}")
-    if api_keys_file is not None and not api_keys_file.is_file():
-        raise fail(f"--api-keys-file {api_keys_file}: no such file")
     try:
         local_ranges(model_dir, shards)
     except ValueError as exc:

@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 
+from cascadia.bench.load import wait_until_ready
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.generate import generate
 from cascadia.engine.sampling import SamplingParams
@@ -50,19 +51,6 @@ class Live:
         return openai.AsyncOpenAI(base_url=self.base + "/v1", api_key=key, max_retries=0, timeout=120)
 
 
-def wait_ready(base: str, process: subprocess.Popen, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert process.poll() is None, f"the process exited with {process.returncode}"
-        try:
-            if httpx.get(base + "/readyz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{base} not ready within {timeout} s")
-
-
 @pytest.fixture(scope="module")
 def live(tiny, tmp_path_factory) -> Iterator[Live]:
     logs = tmp_path_factory.mktemp("up")
@@ -74,7 +62,7 @@ def live(tiny, tmp_path_factory) -> Iterator[Live]:
         process = subprocess.Popen(cmd, env=env, stderr=out, stdout=out)
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(base, process)
+        wait_until_ready(base, process)
         shards = re.search(r"shards on (\S+), (\S+);", (logs / "up.log").read_text()).groups()
         yield Live(base, f"127.0.0.1:{router_port}", list(shards), logs, TextCodec.from_directory(tiny))
     finally:
@@ -99,7 +87,7 @@ def gateway_process(tiny, live, tmp_path):
         started.append(process)
         base = f"http://127.0.0.1:{port}"
         if ready:
-            wait_ready(base, process, timeout=60)
+            wait_until_ready(base, process, timeout=60)
         else:
             deadline = time.monotonic() + 30
             while True:
@@ -495,7 +483,7 @@ def test_the_gateway_rides_out_a_router_restart(tiny, tmp_path):
     base = f"http://127.0.0.1:{port}"
     body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
     try:
-        wait_ready(base, gateway)
+        wait_until_ready(base, gateway)
         first = httpx.post(base + "/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
         fleet.router.kill()
         fleet.router.wait()
@@ -506,7 +494,7 @@ def test_the_gateway_rides_out_a_router_restart(tiny, tmp_path):
         down = httpx.post(base + "/v1/completions", json=body, timeout=30)
         assert down.status_code == 503 and down.json()["error"]["code"] == "unavailable"
         fleet.start_router(router_port, tmp_path / "router-2.log")
-        wait_ready(base, gateway, timeout=60)
+        wait_until_ready(base, gateway, timeout=60)
         again = httpx.post(base + "/v1/completions", json=body, timeout=30)
         assert again.status_code == 200 and again.json()["choices"][0]["text"] == first
         assert gateway.poll() is None

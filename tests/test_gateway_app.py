@@ -58,6 +58,14 @@ def test_unknown_routes_and_methods_get_openai_shaped_errors(call):
     assert response.status_code == 405 and "POST" in response.headers["allow"]
 
 
+def test_per_key_limits_apply_to_keys_not_to_the_callers_of_an_open_gateway(tiny):
+    codec = TextCodec.from_directory(tiny)
+    config = GatewayConfig("tiny", 500, max_concurrent_per_key=2)
+    router = RouterClient(f"127.0.0.1:{free_port()}")
+    assert create_app(config, router, codec, KeyRing(["k"])).state.gateway.limiter.limit == 2
+    assert create_app(config, router, codec, KeyRing([])).state.gateway.limiter.limit == 0
+
+
 def test_the_openapi_schema_names_the_model_and_bounds_token_ids(call):
     schema = call("GET", "/openapi.json").json()
     request = schema["components"]["schemas"]["CompletionRequest"]["properties"]

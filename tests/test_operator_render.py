@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from cascadia.operator.crd import crd
-from cascadia.operator.planning import fleet_plan
+from cascadia.operator.planning import fleet_plan, select_nodes
 from cascadia.operator.render import Fleet, render
 from cascadia.operator.spec import SpecError, parse_spec, with_defaults
 from cascadia.operator.status import Observed, ShardState, degraded, merge_conditions, serving_conditions
@@ -115,6 +115,13 @@ def test_network_policies_let_only_the_router_and_previous_stage_reach_shards():
     spec = example_spec()
     spec["networkPolicies"] = False
     assert not [c for c in rendered(spec)[1] if c["kind"] == "NetworkPolicy"]
+
+
+def test_a_selector_picks_labelled_nodes_in_name_order():
+    cluster = {"pc-02": {"pool": "pc"}, "pc-01": {"pool": "pc", "x": "1"}, "spare": {"pool": "spare"}}
+    assert select_nodes(cluster, {"pool": "pc"}) == ["pc-01", "pc-02"]
+    assert select_nodes(cluster, {"pool": "pc", "x": "1"}) == ["pc-01"]
+    assert select_nodes(cluster, {"pool": "none"}) == []
 
 
 def test_shards_are_applied_from_the_last_stage_to_the_first():

@@ -17,7 +17,7 @@ from kubernetes.dynamic import DynamicClient
 
 from cascadia.model.config import ConfigError
 from cascadia.operator import GROUP, PLURAL, VERSION
-from cascadia.operator.planning import fleet_plan
+from cascadia.operator.planning import fleet_plan, select_nodes
 from cascadia.operator.render import COMPONENT_LABEL, FLEET_LABEL, STAGE_LABEL, Fleet, plan_status, render
 from cascadia.operator.spec import SpecError, parse_spec
 from cascadia.operator.status import (
@@ -66,9 +66,9 @@ class KubeApi:
         self.custom = client.CustomObjectsApi(api_client)
         self.dynamic = DynamicClient(api_client)
 
-    def node_names(self, match_labels: dict[str, str] | None = None) -> list[str]:
-        selector = ",".join(f"{k}={v}" for k, v in (match_labels or {}).items()) or None
-        return sorted(n.metadata.name for n in self.core.list_node(label_selector=selector).items)
+    def nodes(self) -> dict[str, dict[str, str]]:
+        """Every node's name and labels (one list call serves both the selector and the presence check)."""
+        return {n.metadata.name: dict(n.metadata.labels or {}) for n in self.core.list_node().items}
 
     def model_config(self, namespace: str, name: str) -> dict[str, Any]:
         try:
@@ -167,8 +167,9 @@ def reconcile(api: KubeApi, body: Any, now: datetime | None = None) -> None:
         _store(api, body, not_planned("InvalidSpec", str(exc)), {"totalShards": 0, "readyShards": 0}, now)
         raise kopf.PermanentError(str(exc)) from None
     fleet = Fleet(meta["name"], meta["namespace"], meta["uid"], spec)
-    cluster_nodes = set(api.node_names())
-    nodes = list(spec.node_names) if spec.node_names is not None else api.node_names(spec.node_selector)
+    cluster = api.nodes()
+    cluster_nodes = set(cluster)
+    nodes = list(spec.node_names) if spec.node_names is not None else select_nodes(cluster, spec.node_selector or {})
     try:
         config_name = spec.get("model", "configMap")
         model_config = api.model_config(fleet.namespace, config_name) if config_name else None

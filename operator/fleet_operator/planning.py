@@ -24,3 +24,8 @@ def fleet_plan(spec: FleetSpec, nodes: list[str], model_config: dict[str, Any] |
         context=serving["contextBudget"],
     )
     return plan_fleet(shape, request)
+
+
+def select_nodes(cluster: dict[str, dict[str, str]], match_labels: dict[str, str]) -> list[str]:
+    """Nodes carrying every label, in name order (the pipeline order of a selected fleet)."""
+    return sorted(name for name, labels in cluster.items() if all(labels.get(k) == v for k, v in match_labels.items()))

@@ -37,7 +37,9 @@ class FleetBenchConfig:
     link: LinkShape | None = None  # shards behind emulated links instead of loopback
 
 
-class _Sink(rpc.ShardServicer):
+class FrameSink(rpc.ShardServicer):
+    """Acknowledges every frame and does nothing else: what is left is the cost of the hop."""
+
     async def Submit(self, frame, context):
         return pb.Ack()
 
@@ -45,7 +47,7 @@ class _Sink(rpc.ShardServicer):
 async def hop_cost(rows: int = 8, hidden: int = 6144, repeats: int = 200) -> dict[str, float]:
     """Median time to send one frame of rows x hidden FP32 to a server on loopback and get its ack."""
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    rpc.add_ShardServicer_to_server(_Sink(), server)
+    rpc.add_ShardServicer_to_server(FrameSink(), server)
     port = free_port()
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()

@@ -18,11 +18,11 @@ from cascadia.router.netem import EmulatedNetwork, LinkShape
 async def _serve(listen: str) -> None:
     import grpc
 
-    from cascadia.bench.fleet import _Sink
+    from cascadia.bench.fleet import FrameSink
     from cascadia.shard.service import CHANNEL_OPTIONS, rpc
 
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    rpc.add_ShardServicer_to_server(_Sink(), server)
+    rpc.add_ShardServicer_to_server(FrameSink(), server)
     server.add_insecure_port(listen)
     await server.start()
     await server.wait_for_termination()

@@ -138,18 +138,21 @@ def fleet_memory(root: psutil.Process) -> dict[str, int]:
     return out
 
 
-def _wait_ready(base: str, process: subprocess.Popen, timeout: float = 300) -> None:
+def wait_until_ready(base: str, process: subprocess.Popen, timeout: float = 300) -> None:
+    """Until the gateway at `base` says /readyz 200; fails if `process` (the one serving it) exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"cascadia up exited with {process.returncode}")
+            raise RuntimeError(
+                f"{process.args[3] if len(process.args) > 3 else 'the process'} exited with {process.returncode}"
+            )
         try:
             if httpx.get(base + "/readyz", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise TimeoutError("the fleet did not become ready")
+    raise TimeoutError(f"{base} not ready within {timeout} s")
 
 
 def run_load_bench(config: LoadBenchConfig, console: Console) -> dict[str, Any]:
@@ -179,7 +182,7 @@ def run_load_bench(config: LoadBenchConfig, console: Console) -> dict[str, Any]:
     }
     try:
         with console.status("starting the fleet"):
-            _wait_ready(base, process)
+            wait_until_ready(base, process)
         root = psutil.Process(process.pid)
         for clients in config.clients:
             for round_index in range(config.rounds):

@@ -387,7 +387,9 @@ def _describe_limits(schema: dict[str, Any], config: GatewayConfig) -> None:
 
 def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, keys: KeyRing) -> FastAPI:
     metrics = GatewayMetrics()
-    gateway = Gateway(config, router, codec, keys, metrics, ConcurrencyLimiter(config.max_concurrent_per_key))
+    # an open gateway has no callers to tell apart: the router's queue bounds it instead
+    per_key = 0 if keys.open else config.max_concurrent_per_key
+    gateway = Gateway(config, router, codec, keys, metrics, ConcurrencyLimiter(per_key))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

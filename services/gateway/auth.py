@@ -67,8 +67,7 @@ class ConcurrencyLimiter:
         self.active: Counter[str] = Counter()
 
     def acquire(self, key: str) -> None:
-        # an open gateway has no callers to tell apart: the router's queue bounds it instead
-        if self.limit and key != ANONYMOUS and self.active[key] >= self.limit:
+        if self.limit and self.active[key] >= self.limit:
             raise ApiError(
                 429,
                 f"Too many concurrent requests for this key: the limit (max_concurrent_requests_per_key) is "
