@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from cascadia.model.config import InklingShape, shape_from_config
+from cascadia.model.config import ModelShape, shape_from_config
 from cascadia.model.formats import WeightFormat, stored_bytes
 
 if TYPE_CHECKING:
@@ -103,13 +103,13 @@ class FleetPlan:
         return [(s.start_layer, s.end_layer) for s in self.stages]
 
 
-def preset_shape(name: str) -> InklingShape:
+def preset_shape(name: str) -> ModelShape:
     if name not in PRESET_CONFIGS:
         raise PlanError(f"unknown preset '{name}' (choose from {', '.join(PRESET_CONFIGS)})")
     return shape_from_config(PRESET_CONFIGS[name])
 
 
-def layer_weight_bytes(shape: InklingShape, layer: int, request: PlanRequest) -> int:
+def layer_weight_bytes(shape: ModelShape, layer: int, request: PlanRequest) -> int:
     """Resident bytes of one decoder layer at the requested weight formats."""
     a = shape.layer_attention(layer)
     h = shape.hidden_size
@@ -130,23 +130,24 @@ def layer_weight_bytes(shape: InklingShape, layer: int, request: PlanRequest) ->
     return total
 
 
-def layer_kv_bytes(shape: InklingShape, layer: int, request: PlanRequest) -> int:
+def layer_kv_bytes(shape: ModelShape, layer: int, request: PlanRequest) -> int:
     """State bytes one layer keeps for all planned streams: KV rows and the four conv histories."""
     a = shape.layer_attention(layer)
     positions = request.context if a.window is None else a.window - 1 + request.rewind_slack
     kv = positions * 2 * a.kv_width * 4
-    conv = (shape.conv_kernel_size - 1 + request.rewind_slack) * (2 * a.kv_width + 2 * shape.hidden_size) * 4
+    conv_rows = shape.conv_kernel_size - 1 + request.rewind_slack if shape.has_convs else 0
+    conv = conv_rows * (2 * a.kv_width + 2 * shape.hidden_size) * 4
     return request.streams * (kv + conv)
 
 
-def _edge_bytes(shape: InklingShape, request: PlanRequest) -> tuple[int, int]:
+def _edge_bytes(shape: ModelShape, request: PlanRequest) -> tuple[int, int]:
     h = shape.hidden_size
     embed = stored_bytes((shape.vocab_size, h), request.head_weights) + 4 * h
     head = stored_bytes((shape.unpadded_vocab_size, h), request.head_weights) + 4 * h
     return embed, head
 
 
-def _stage(shape: InklingShape, request: PlanRequest, node: str, start: int, end: int) -> StagePlan:
+def _stage(shape: ModelShape, request: PlanRequest, node: str, start: int, end: int) -> StagePlan:
     embed, head = _edge_bytes(shape, request)
     weights = sum(layer_weight_bytes(shape, i, request) for i in range(start, end))
     weights += embed if start == 0 else 0
@@ -167,7 +168,7 @@ def _check_fits(stages: list[StagePlan], memory: int) -> None:
         )
 
 
-def plan_fleet(shape: InklingShape, request: PlanRequest) -> FleetPlan:
+def plan_fleet(shape: ModelShape, request: PlanRequest) -> FleetPlan:
     """Place contiguous layer ranges on the request's nodes, or fail saying why the model does not fit."""
     nodes, layers = request.nodes, shape.num_layers
     if not nodes:
@@ -190,7 +191,7 @@ def plan_fleet(shape: InklingShape, request: PlanRequest) -> FleetPlan:
     return _balanced(shape, request)
 
 
-def _balanced(shape: InklingShape, request: PlanRequest) -> FleetPlan:
+def _balanced(shape: ModelShape, request: PlanRequest) -> FleetPlan:
     """Contiguous split minimising the largest node's resident bytes (DP over split points)."""
     nodes, layers = request.nodes, shape.num_layers
     count = min(len(nodes), layers)
@@ -238,7 +239,7 @@ def _balanced(shape: InklingShape, request: PlanRequest) -> FleetPlan:
     return FleetPlan(tuple(stages), request.node_memory, "balanced", note)
 
 
-def stage_step_bytes(shape: InklingShape, stage: StagePlan, request: PlanRequest, rows: int) -> float:
+def stage_step_bytes(shape: ModelShape, stage: StagePlan, request: PlanRequest, rows: int) -> float:
     """Weight bytes a stage reads to advance `rows` rows by one token (each distinct expert once)."""
     h = shape.hidden_size
     total = 0.0
@@ -257,7 +258,7 @@ def stage_step_bytes(shape: InklingShape, stage: StagePlan, request: PlanRequest
 
 
 def floor_throughput(
-    shape: InklingShape,
+    shape: ModelShape,
     plan: FleetPlan,
     request: PlanRequest,
     streams: int,

@@ -24,7 +24,7 @@ from cascadia.engine.engine import StageEngine
 from cascadia.engine.settings import preset
 from cascadia.engine.weights import stored_bytes
 from cascadia.model.checkpoint import load_stage
-from cascadia.model.config import InklingShape, load_shape
+from cascadia.model.config import ModelShape, load_shape
 
 PROMPT_TOKENS = 16
 PREFILL_TOKENS = 128
@@ -61,7 +61,7 @@ def expected_distinct(experts: int, top_k: int, rows: int) -> float:
     return experts * (1.0 - (1.0 - top_k / experts) ** rows)
 
 
-def step_weight_bytes(shape: InklingShape, settings_name: str, streams: int) -> float:
+def step_weight_bytes(shape: ModelShape, settings_name: str, streams: int) -> float:
     """Weight bytes one decode step over `streams` rows must read: each distinct expert once."""
     s = preset(settings_name)
     h = shape.hidden_size
@@ -166,7 +166,7 @@ def measure_transformers(model_dir: Path, streams: tuple[int, ...], steps: int, 
     return out
 
 
-def measure_dense_layer(model_dir: Path, shape: InklingShape, repeats: int) -> dict[str, Any] | None:
+def measure_dense_layer(model_dir: Path, shape: ModelShape, repeats: int) -> dict[str, Any] | None:
     """A dense MLP call as all-active expert slices (our path) against a plain dense graph."""
     import openvino as ov
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cascadia.model.config import InklingShape
+from cascadia.model.config import ModelShape
 from cascadia.planner import ROW_BYTES_PER_HIDDEN, FleetPlan, PlanRequest, floor_throughput, stage_step_bytes
 
 SEED_MEASURED = {88: 60.29, 176: 57.72}  # the seed fleet's aggregate decode tok/s
@@ -47,7 +47,7 @@ def interpolate(points: dict[int, float]) -> Callable[[int], float]:
 
 
 def predicted_throughput(
-    shape: InklingShape,
+    shape: ModelShape,
     plan: FleetPlan,
     request: PlanRequest,
     streams: int,
@@ -79,7 +79,7 @@ def measured_from(engine_json: Path, fleet_json: Path, precision: str) -> Measur
 
 
 def run_model(
-    shape: InklingShape,
+    shape: ModelShape,
     plan: FleetPlan,
     request: PlanRequest,
     measured: Measured,

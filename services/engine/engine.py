@@ -14,11 +14,12 @@ from dataclasses import dataclass
 import numpy as np
 import openvino as ov
 
-from cascadia.engine import graphs
+from cascadia.engine import graphs, llama_graphs
 from cascadia.engine.batch import Segment, StepPlan, plan_step
 from cascadia.engine.settings import EngineSettings
 from cascadia.engine.state import BudgetExceeded, GrowingRows, LayerState, RingRows, StreamState
 from cascadia.model.checkpoint import LayerWeights, StageWeights
+from cascadia.model.formats import as_float
 
 CONVS = ("k", "v", "o", "m")
 Progress = Callable[[str, int, int], None]
@@ -54,7 +55,7 @@ def _power_of_two_scale(layer: LayerWeights) -> float:
     A bound on |output| per unit of input activation is the largest row L1-norm of the down
     weights; 2^-n brings it under 2^8, leaving room for large activations.
     """
-    bound = float(np.abs(layer.experts.down).sum(axis=-1).max())
+    bound = float(np.abs(as_float(layer.experts.down)).sum(axis=-1).max())
     exponent = max(0, math.ceil(math.log2(max(bound, 1e-30))) - 8)
     return 2.0**-exponent
 
@@ -65,9 +66,8 @@ class _Layer:
         self.attention = shape.layer_attention(weights.index)
         split = settings.split_expert_graph
         residual_cfg = _compile_config(settings, settings.residual_compute)
-        attention_model = graphs.attention_graph(
-            shape, weights, settings.attention_weights, None if split else settings.expert_weights
-        )
+        build = llama_graphs.layer_graph if shape.family == "llama" else graphs.attention_graph
+        attention_model = build(shape, weights, settings.attention_weights, None if split else settings.expert_weights)
         self.attention_model = core.compile_model(attention_model, settings.device, residual_cfg)
         self.attention_request = self.attention_model.create_infer_request()
         self.expert_request = self.post_request = None
@@ -89,9 +89,15 @@ class _Layer:
             self.expert_request = self.expert_model.create_infer_request()
             post = core.compile_model(graphs.post_graph(shape, weights, scale), settings.device, residual_cfg)
             self.post_request = post.create_infer_request()
-        self.needs_query_position = self.attention.kind == "global" and shape.log_scaling_n_floor is not None
+        # rotary positions (Llama) or log-scaled queries (Inkling's global layers) need each row's position
+        self.needs_query_position = shape.family == "llama" or (
+            self.attention.kind == "global" and shape.log_scaling_n_floor is not None
+        )
+        self.has_convs = shape.has_convs
 
-    def run(self, inputs: dict[str, np.ndarray], hist_m: np.ndarray, conv_index: np.ndarray) -> dict[str, np.ndarray]:
+    def run(
+        self, inputs: dict[str, np.ndarray], hist_m: np.ndarray | None, conv_index: np.ndarray
+    ) -> dict[str, np.ndarray]:
         out = _infer(self.attention_request, inputs)
         if self.expert_request is None:
             return out
@@ -103,17 +109,10 @@ class _Layer:
                 "expert_weight": out["expert_weight"],
             },
         )["expert_out"]
-        out.update(
-            _infer(
-                self.post_request,
-                {
-                    "expert_out": expert_out,
-                    "residual": out["residual"],
-                    "conv_hist_m": hist_m,
-                    "conv_index": conv_index,
-                },
-            )
-        )
+        post = {"expert_out": expert_out, "residual": out["residual"]}
+        if self.has_convs:
+            post.update({"conv_hist_m": hist_m, "conv_index": conv_index})
+        out.update(_infer(self.post_request, post))
         return out
 
 
@@ -197,7 +196,7 @@ class StageEngine:
             else:
                 keys, values = RingRows(a.window - 1 + slack, row), RingRows(a.window - 1 + slack, row)
             h = self.shape.hidden_size
-            widths = {"k": a.kv_width, "v": a.kv_width, "o": h, "m": h}
+            widths = {"k": a.kv_width, "v": a.kv_width, "o": h, "m": h} if self.shape.has_convs else {}
             convs = {name: RingRows(kernel - 1 + slack, (width,)) for name, width in widths.items()}
             layers.append(LayerState(keys, values, convs))
         self._streams[stream] = StreamState(layers, 0, slack)
@@ -251,7 +250,7 @@ class StageEngine:
                     f"stream {seg.stream!r}: {seg.start + seg.length} positions exceed its context budget "
                     f"of {self._global_limit(state)}"
                 )
-        plan = plan_step(segments, self.shape.conv_kernel_size, self._windows)
+        plan = plan_step(segments, max(1, self.shape.conv_kernel_size), self._windows)
         rows = plan.rows
         if self.is_first:
             ids = np.asarray(inputs)
@@ -303,23 +302,29 @@ class StageEngine:
         past_v = np.stack([st.layers[li].values.read(past[b]) for b, st in enumerate(states)])
         inputs = {
             "hidden": hidden,
-            "conv_hist_k": history("k"),
-            "conv_hist_v": history("v"),
-            "conv_hist_o": history("o"),
-            "conv_index": plan.conv_index,
             "row_stream": plan.row_stream,
             "past_k": past_k,
             "past_v": past_v,
             "step_keys": keys_plan.step_keys,
             "key_mask": keys_plan.key_mask,
-            "key_distance": keys_plan.key_distance,
         }
-        hist_m = history("m")
+        hist_m = None
+        if layer.has_convs:
+            inputs.update(
+                conv_hist_k=history("k"),
+                conv_hist_v=history("v"),
+                conv_hist_o=history("o"),
+                conv_index=plan.conv_index,
+                key_distance=keys_plan.key_distance,
+            )
+            hist_m = history("m")
+            if layer.expert_request is None:
+                inputs["conv_hist_m"] = hist_m
         if layer.needs_query_position:
             inputs["query_position"] = plan.row_position.astype(np.float32)
-        if layer.expert_request is None:
-            inputs["conv_hist_m"] = hist_m
         out = layer.run(inputs, hist_m, plan.conv_index)
+        conv_outputs = zip(CONVS, ("k_conv_in", "v_conv_in", "o_conv_in", "m_conv_in"), strict=True)
+        conv_outputs = list(conv_outputs) if layer.has_convs else []
         for b, (seg, st) in enumerate(zip(segs, states, strict=True)):
             first = int(plan.row_offset[b])
             rows = slice(first, first + seg.length)
@@ -327,7 +332,7 @@ class StageEngine:
             ls = st.layers[li]
             self._write(ls.keys, positions, out["new_k"][rows])
             self._write(ls.values, positions, out["new_v"][rows])
-            for conv, name in zip(CONVS, ("k_conv_in", "v_conv_in", "o_conv_in", "m_conv_in"), strict=True):
+            for conv, name in conv_outputs:
                 self._write(ls.convs[conv], positions, out[name][rows])
         return out["hidden_out"]
 

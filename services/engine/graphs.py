@@ -16,9 +16,10 @@ import openvino as ov
 import openvino.opset16 as ops
 from openvino.utils.node_factory import NodeFactory
 
-from cascadia.engine.weights import WeightFormat, weight_node
+from cascadia.engine.weights import Quantized, Weight, WeightFormat, weight_node
 from cascadia.model.checkpoint import LayerWeights
-from cascadia.model.config import InklingShape
+from cascadia.model.config import ModelShape
+from cascadia.model.formats import as_float
 
 Node = ov.Node
 _OPSET4 = NodeFactory("opset4")
@@ -54,7 +55,7 @@ def rms_norm(x: Node, weight: np.ndarray, eps: float) -> Node:
     return ops.multiply(ops.multiply(x, inv), _f32(weight))
 
 
-def linear(x: Node, weight: np.ndarray, fmt: WeightFormat, name: str) -> Node:
+def linear(x: Node, weight: Weight, fmt: WeightFormat, name: str) -> Node:
     return ops.matmul(x, weight_node(weight, fmt, name), transpose_a=False, transpose_b=True)
 
 
@@ -70,7 +71,7 @@ def short_conv(x: Node, history: Node, index: Node, weight: np.ndarray) -> Node:
 
 
 def attention_graph(
-    shape: InklingShape,
+    shape: ModelShape,
     layer: LayerWeights,
     attention_fmt: WeightFormat,
     expert_fmt: WeightFormat | None,
@@ -174,7 +175,7 @@ def attention_graph(
     return ov.Model([ops.result(n) for n in results], params, f"layer{i}_attention")
 
 
-def _routing(shape: InklingShape, layer: LayerWeights, x: Node) -> tuple[Node, Node]:
+def _routing(shape: ModelShape, layer: LayerWeights, x: Node) -> tuple[Node, Node]:
     """Expert ids [T, n] and weights [T, n] for the layer's bank.
 
     MoE: FP32 logits, sigmoid scores, top-k on score + correction bias, then the chosen routed
@@ -223,7 +224,7 @@ def _fused_experts(x: Node, index: Node, weight: Node, gate: Node, up: Node, dow
 
 
 def _expert_block(
-    shape: InklingShape,
+    shape: ModelShape,
     layer: LayerWeights,
     x: Node,
     index: Node,
@@ -239,17 +240,20 @@ def _expert_block(
     n = bank.gate.shape[0]
     gate = weight_node(bank.gate, fmt, f"l{i}.experts.gate")
     up = weight_node(bank.up, fmt, f"l{i}.experts.up")
-    down = weight_node(bank.down * np.float32(out_scale), fmt, f"l{i}.experts.down")
+    down = bank.down if out_scale == 1.0 else as_float(bank.down) * np.float32(out_scale)
+    down = weight_node(down, fmt, f"l{i}.experts.down")
     mixed = _fused_experts(x, index, weight, gate, up, down, n, h)
     if residual is None:
         return [], [_named(mixed, "expert_out")]
+    if layer.mlp_conv is None:  # Llama-family: the FFN output joins the residual directly
+        return [], [_named(ops.add(residual, mixed), "hidden_out")]
     hist_m = _param("conv_hist_m", [-1, h])
     m_in = _named(mixed, "m_conv_in")
     out = _named(ops.add(residual, short_conv(mixed, hist_m, conv_index, layer.mlp_conv)), "hidden_out")
     return [hist_m], [m_in, out]
 
 
-def expert_graph(shape: InklingShape, layer: LayerWeights, fmt: WeightFormat, out_scale: float) -> ov.Model:
+def expert_graph(shape: ModelShape, layer: LayerWeights, fmt: WeightFormat, out_scale: float) -> ov.Model:
     """Experts alone, for a compute precision other than the residual stream's.
 
     Down-projection weights are pre-multiplied by `out_scale` (a power of two) so f16 arithmetic
@@ -263,14 +267,17 @@ def expert_graph(shape: InklingShape, layer: LayerWeights, fmt: WeightFormat, ou
     return ov.Model([ops.result(n) for n in results], [x, index, weight], f"layer{layer.index}_experts")
 
 
-def post_graph(shape: InklingShape, layer: LayerWeights, out_scale: float) -> ov.Model:
-    """Undo the experts' power-of-two scale, then the MLP-output conv and the residual add, in f32."""
+def post_graph(shape: ModelShape, layer: LayerWeights, out_scale: float) -> ov.Model:
+    """Undo the experts' power-of-two scale, then the MLP-output conv (if any) and the residual add, in f32."""
     h, k = shape.hidden_size, shape.conv_kernel_size
     expert_out = _param("expert_out", [-1, h])
     residual = _param("residual", [-1, h])
+    mixed = _named(ops.multiply(expert_out, _f32(1.0 / out_scale)), "m_conv_in")
+    if layer.mlp_conv is None:
+        out = _named(ops.add(residual, mixed), "hidden_out")
+        return ov.Model([ops.result(out)], [expert_out, residual], f"layer{layer.index}_post")
     hist_m = _param("conv_hist_m", [-1, h])
     conv_index = _param("conv_index", [-1, k], "i32")
-    mixed = _named(ops.multiply(expert_out, _f32(1.0 / out_scale)), "m_conv_in")
     out = _named(ops.add(residual, short_conv(mixed, hist_m, conv_index, layer.mlp_conv)), "hidden_out")
     return ov.Model(
         [ops.result(mixed), ops.result(out)],
@@ -279,22 +286,27 @@ def post_graph(shape: InklingShape, layer: LayerWeights, out_scale: float) -> ov
     )
 
 
-def embed_graph(embed: np.ndarray, embed_norm: np.ndarray, eps: float, fmt: WeightFormat) -> ov.Model:
+def embed_graph(embed: Weight, embed_norm: np.ndarray | None, eps: float, fmt: WeightFormat) -> ov.Model:
+    """Embedding rows, normed when the model norms them (Inkling does, Llama does not)."""
     ids = _param("input_ids", [-1], "i32")
     rows = ops.gather(weight_node(embed, fmt, "embed"), ids, _i64(0))
-    out = _named(rms_norm(rows, embed_norm, eps), "hidden")
+    out = _named(rows if embed_norm is None else rms_norm(rows, embed_norm, eps), "hidden")
     return ov.Model([ops.result(out)], [ids], "embed")
 
 
-def head_graph(shape: InklingShape, final_norm: np.ndarray, head: np.ndarray, fmt: WeightFormat) -> ov.Model:
+def head_graph(shape: ModelShape, final_norm: np.ndarray, head: Weight, fmt: WeightFormat) -> ov.Model:
     """Final norm, division by the muP width multiplier, head, and the slice to the unpadded vocabulary."""
     hidden = _param("hidden", [-1, shape.hidden_size])
-    x = ops.divide(rms_norm(hidden, final_norm, shape.rms_norm_eps), _f32(shape.logits_mup_width_multiplier))
-    logits = linear(x, head[: shape.unpadded_vocab_size], fmt, "head")
+    x = rms_norm(hidden, final_norm, shape.rms_norm_eps)
+    if shape.logits_mup_width_multiplier != 1.0:
+        x = ops.divide(x, _f32(shape.logits_mup_width_multiplier))
+    if shape.unpadded_vocab_size < shape.vocab_size:
+        head = head[: shape.unpadded_vocab_size] if isinstance(head, np.ndarray) else _unpadded(head, shape)
+    logits = linear(x, head, fmt, "head")
     return ov.Model([ops.result(_named(logits, "logits"))], [hidden], "head")
 
 
-def dense_as_experts_graph(shape: InklingShape, layer: LayerWeights) -> ov.Model:
+def dense_as_experts_graph(shape: ModelShape, layer: LayerWeights) -> ov.Model:
     """A dense layer's MLP alone, as all-active expert slices (the engine's path), for benchmarks."""
     x = _param("mlp_input", [-1, shape.hidden_size])
     index, weight = _routing(shape, layer, x)
@@ -302,7 +314,7 @@ def dense_as_experts_graph(shape: InklingShape, layer: LayerWeights) -> ov.Model
     return ov.Model([ops.result(n) for n in results], [x], "dense_as_experts")
 
 
-def dense_mlp_graph(shape: InklingShape, layer: LayerWeights) -> ov.Model:
+def dense_mlp_graph(shape: ModelShape, layer: LayerWeights) -> ov.Model:
     """The same MLP as three plain matmuls, the comparison the expert-slice path is measured against."""
     h = shape.hidden_size
     x = _param("mlp_input", [-1, h])
@@ -313,3 +325,7 @@ def dense_mlp_graph(shape: InklingShape, layer: LayerWeights) -> ov.Model:
     act = ops.multiply(swish(linear(x, gate, "f32", "gate")), linear(x, up, "f32", "up"))
     out = ops.multiply(linear(act, down, "f32", "down"), _f32(layer.dense_scale))
     return ov.Model([ops.result(out)], [x], "dense_mlp")
+
+
+def _unpadded(head: Quantized, shape: ModelShape) -> Quantized:
+    return head.map_blocks(lambda a: a[: shape.unpadded_vocab_size])

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
-from cascadia.model.config import InklingShape, load_shape
+from cascadia.model.config import ModelShape, load_shape
+from cascadia.model.formats import Weight
 
 
 class CheckpointError(ValueError):
@@ -43,12 +44,13 @@ class AttentionWeights:
 class ExpertWeights:
     """Every expert a layer can run, routed first, shared last (dense MLPs as slices).
 
-    E = experts in the bank, I = width of one expert, H = hidden size.
+    E = experts in the bank, I = width of one expert, H = hidden size. Weights read from a GGUF
+    file stay in their quantised blocks.
     """
 
-    gate: np.ndarray  # [E, I, H]
-    up: np.ndarray  # [E, I, H]
-    down: np.ndarray  # [E, H, I]
+    gate: Weight  # [E, I, H]
+    up: Weight  # [E, I, H]
+    down: Weight  # [E, H, I]
 
 
 @dataclass(frozen=True)
@@ -71,14 +73,14 @@ class LayerWeights:
 
 @dataclass(frozen=True)
 class StageWeights:
-    shape: InklingShape
+    shape: ModelShape
     start_layer: int
     end_layer: int  # half-open
     layers: tuple[LayerWeights, ...]
-    embed: np.ndarray | None  # [V, H] on the first stage
-    embed_norm: np.ndarray | None
+    embed: Weight | None  # [V, H] on the first stage
+    embed_norm: np.ndarray | None  # None where the model does not norm its embeddings
     final_norm: np.ndarray | None  # on the last stage
-    head: np.ndarray | None  # [V, H]
+    head: Weight | None  # [V, H]
 
 
 DENSE_SLICES = 8
@@ -145,7 +147,7 @@ def _conv(source: TensorSource, name: str, channels: int, kernel: int) -> np.nda
     return source.get(name, (channels, 1, kernel))[:, 0, :]
 
 
-def _read_layer(source: TensorSource, shape: InklingShape, i: int) -> LayerWeights:
+def _read_layer(source: TensorSource, shape: ModelShape, i: int) -> LayerWeights:
     h = shape.hidden_size
     k = shape.conv_kernel_size
     a = shape.layer_attention(i)

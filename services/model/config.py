@@ -1,4 +1,4 @@
-"""Inkling's text-model shape, read from either checkpoint layout's config.json.
+"""A decoder's shape: Inkling's, read from either checkpoint layout's config.json, or a Llama-family one.
 
 The rules mirror `InklingTextConfig.__post_init__` in transformers (the oracle): layer types derived
 from `local_layer_ids` (default: every 6th layer is global), `dense_mlp_idx` for the leading dense
@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 AttentionKind = Literal["sliding", "global"]
 MlpKind = Literal["dense", "sparse"]
+Family = Literal["inkling", "llama"]
 
 
 class ConfigError(ValueError):
@@ -39,7 +40,7 @@ class AttentionShape:
 
 
 @dataclass(frozen=True)
-class InklingShape:
+class ModelShape:
     vocab_size: int
     unpadded_vocab_size: int
     hidden_size: int
@@ -62,7 +63,16 @@ class InklingShape:
     bos_token_id: int | None
     eos_token_id: int | None
     num_mtp_layers: int | None = None
-    layout: Literal["inkling_text", "published"] = "inkling_text"
+    layout: Literal["inkling_text", "published", "llama", "gguf"] = "inkling_text"
+    # Llama-family decoders: rotary positions, no short convolutions, no relative bias, an optional
+    # head tied to the embedding (conv_kernel_size and d_rel are 0 for them)
+    family: Family = "inkling"
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+
+    @property
+    def has_convs(self) -> bool:
+        return self.conv_kernel_size > 0
 
     def layer_attention(self, layer: int) -> AttentionShape:
         return self.attention[layer]
@@ -75,7 +85,8 @@ class InklingShape:
         a = self.attention[layer]
         h = self.hidden_size
         attn = h * (a.q_width + 2 * a.kv_width + a.num_heads * self.d_rel) + a.q_width * h
-        attn += 2 * a.head_dim + self.d_rel * a.rel_extent + 2 * a.kv_width * self.conv_kernel_size
+        if self.family == "inkling":
+            attn += 2 * a.head_dim + self.d_rel * a.rel_extent + 2 * a.kv_width * self.conv_kernel_size
         common = 2 * h + 2 * h * self.conv_kernel_size
         if self.is_dense(layer):
             mlp = 3 * h * self.intermediate_size + 1
@@ -110,8 +121,8 @@ def _positive_int(cfg: dict[str, Any], key: str, default: int | None = None) -> 
     return value
 
 
-def shape_from_config(raw: dict[str, Any]) -> InklingShape:
-    """Parse a config.json dict of either layout into an `InklingShape`."""
+def shape_from_config(raw: dict[str, Any]) -> ModelShape:
+    """Parse a config.json dict of either layout into an `ModelShape`."""
     layout: Literal["inkling_text", "published"] = "inkling_text"
     cfg = dict(raw)
     mtp_config: dict[str, Any] = {}
@@ -206,7 +217,7 @@ def shape_from_config(raw: dict[str, Any]) -> InklingShape:
     n_routed = _positive_int(cfg, "n_routed_experts", 256)
     if top_k > n_routed:
         raise ConfigError(f"config.json: num_experts_per_tok {top_k} exceeds n_routed_experts {n_routed}")
-    return InklingShape(
+    return ModelShape(
         vocab_size=vocab,
         unpadded_vocab_size=unpadded,
         hidden_size=_positive_int(cfg, "hidden_size", 6144),
@@ -233,7 +244,7 @@ def shape_from_config(raw: dict[str, Any]) -> InklingShape:
     )
 
 
-def load_shape(model_dir: Path) -> InklingShape:
+def load_shape(model_dir: Path) -> ModelShape:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"{path}: no config.json in the model directory")

@@ -1,12 +1,19 @@
-"""Weight storage formats and their sizes: pure arithmetic, shared by the engine and the planner."""
+"""Weight storage formats, their sizes and arithmetic: pure numpy, shared by engine, readers and planner."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Literal
+
+import numpy as np
 
 WeightFormat = Literal["f32", "f16", "int8", "int4"]
 WEIGHT_FORMATS: tuple[WeightFormat, ...] = ("f32", "f16", "int8", "int4")
+# Asymmetric blocks as GGUF files hold them: unsigned values, an f16 scale and an unsigned zero
+# point per group of 32 along the input dimension; weight = (value - zero point) * scale.
+BlockFormat = Literal["u4", "u8"]
+StoredFormat = WeightFormat | BlockFormat
 INT4_GROUP = 32
 
 
@@ -20,3 +27,105 @@ def stored_bytes(weight_shape: tuple[int, ...], fmt: WeightFormat) -> int:
     if fmt == "int8":
         return n + 4 * n // weight_shape[-1]
     return n // 2 + 2 * (n // INT4_GROUP)
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """A weight [..., N, K] in one of the formats; `values` holds the stored integers or floats.
+
+    Grouped formats (int4, u4, u8) keep values as [..., N, K/32, 32] and scales as [..., N, K/32, 1].
+    """
+
+    fmt: StoredFormat
+    values: np.ndarray
+    scale: np.ndarray | None  # int8: [..., N, 1] f32; int4, u4, u8: [..., N, K/32, 1] f16
+    zero_point: np.ndarray | None = None  # u4, u8: like the scale, unsigned
+
+    @property
+    def nbytes(self) -> int:
+        bits = {"f32": 32, "f16": 16, "int8": 8, "int4": 4, "u4": 4, "u8": 8}[self.fmt]
+        scale_bytes = 0 if self.scale is None else self.scale.nbytes
+        zero_bytes = 0 if self.zero_point is None else self.zero_point.size * bits // 8
+        return self.values.size * bits // 8 + scale_bytes + zero_bytes
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical [..., N, K] shape of the weight."""
+        if self.fmt in ("int4", "u4", "u8"):
+            return (*self.values.shape[:-2], self.values.shape[-2] * self.values.shape[-1])
+        return tuple(self.values.shape)
+
+    def map_blocks(self, fn) -> Quantized:
+        """Apply an index operation on the leading axes (all but the last) to values, scales and zero points."""
+        scale = None if self.scale is None else fn(self.scale)
+        zero = None if self.zero_point is None else fn(self.zero_point)
+        return Quantized(self.fmt, fn(self.values), scale, zero)
+
+
+def quantize(weight: np.ndarray, fmt: WeightFormat) -> Quantized:
+    weight = np.asarray(weight, dtype=np.float32)
+    if fmt == "f32":
+        return Quantized(fmt, weight, None)
+    if fmt == "f16":
+        return Quantized(fmt, weight.astype(np.float16), None)
+    if fmt == "int8":
+        scale = np.abs(weight).max(axis=-1, keepdims=True) / 127.0
+        scale = np.where(scale == 0, 1.0, scale).astype(np.float32)
+        q = np.clip(np.rint(weight / scale), -127, 127).astype(np.int8)
+        return Quantized(fmt, q, scale)
+    if fmt == "int4":
+        k = weight.shape[-1]
+        if k % INT4_GROUP:
+            raise ValueError(f"int4 needs an input dimension divisible by {INT4_GROUP}, got {k}")
+        grouped = weight.reshape(*weight.shape[:-1], k // INT4_GROUP, INT4_GROUP)
+        scale = (np.abs(grouped).max(axis=-1, keepdims=True) / 7.0).astype(np.float16)
+        scale = np.where(scale == 0, np.float16(1.0), scale).astype(np.float16)
+        q = np.clip(np.rint(grouped / scale.astype(np.float32)), -8, 7).astype(np.int8)
+        return Quantized(fmt, q, scale)
+    raise ValueError(f"unknown weight format '{fmt}' (choose from {', '.join(WEIGHT_FORMATS)})")
+
+
+def dequantize(q: Quantized) -> np.ndarray:
+    """The f32 values the graph computes with."""
+    if q.fmt == "f32":
+        return q.values
+    if q.fmt == "f16":
+        return q.values.astype(np.float32)
+    if q.fmt == "int8":
+        return q.values.astype(np.float32) * q.scale
+    if q.fmt in ("u4", "u8"):  # the graph subtracts and multiplies in f16
+        product = (q.values.astype(np.float16) - q.zero_point.astype(np.float16)) * q.scale
+    else:
+        product = q.values.astype(np.float16) * q.scale  # the graph multiplies in f16
+    return product.reshape(*product.shape[:-2], -1).astype(np.float32)
+
+
+Weight = np.ndarray | Quantized
+
+
+def split_output_rows(weight: Weight, slices: int) -> Weight:
+    """[N, K] -> [slices, N/slices, K]: a dense projection's output rows cut into expert slices."""
+    if isinstance(weight, np.ndarray):
+        return weight.reshape(slices, weight.shape[0] // slices, *weight.shape[1:])
+    return weight.map_blocks(lambda a: a.reshape(slices, a.shape[0] // slices, *a.shape[1:]))
+
+
+def split_input_columns(weight: Weight, slices: int) -> Weight:
+    """[N, K] -> [slices, N, K/slices]: a down projection cut along its input, one piece per slice."""
+    if isinstance(weight, np.ndarray):
+        n, k = weight.shape
+        return np.ascontiguousarray(weight.reshape(n, slices, k // slices).transpose(1, 0, 2))
+    if weight.fmt not in ("int4", "u4", "u8"):
+        raise ValueError(f"cannot cut {weight.fmt} weights along their input")
+    groups = weight.values.shape[-2]
+    if groups % slices:
+        raise ValueError(f"{groups} groups of {INT4_GROUP} inputs do not split into {slices} slices")
+
+    def cut(a: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(a.reshape(a.shape[0], slices, groups // slices, a.shape[-1]).transpose(1, 0, 2, 3))
+
+    return weight.map_blocks(cut)
+
+
+def as_float(weight: Weight) -> np.ndarray:
+    return weight if isinstance(weight, np.ndarray) else dequantize(weight)
