@@ -18,6 +18,7 @@ bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that write JSON a
 app.add_typer(model_app, name="model")
 app.add_typer(bench_app, name="bench")
 err = Console(stderr=True, soft_wrap=True)
+MODEL_HELP = "Checkpoint directory, .gguf file or packaged model (smollm2-135m)"
 
 
 def fail(message: str) -> typer.Exit:
@@ -58,14 +59,13 @@ def model_tiny(
 
 
 def resolve_model(model: str) -> Path:
-    path = Path(model)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise fail(f"--model {model}: directory has no config.json")
-        return path
-    if path.suffix == ".gguf" or model == "smollm2-135m":
-        raise fail(f"--model {model}: GGUF models are not served by this build yet; pass a checkpoint directory")
-    raise fail(f"--model {model}: no such checkpoint directory")
+    """The checkpoint directory or GGUF file behind --model (a packaged model's name resolves to its file)."""
+    from cascadia.model.loader import ModelNotFound, resolve
+
+    try:
+        return resolve(model)
+    except ModelNotFound as exc:
+        raise fail(str(exc)) from None
 
 
 def parse_prompt_ids(text: str) -> list[int]:
@@ -80,8 +80,7 @@ def parse_prompt_ids(text: str) -> list[int]:
 
 def load_engine(model_dir: Path, settings, start: int | None = None, end: int | None = None):
     from cascadia.engine.engine import StageEngine
-    from cascadia.model.checkpoint import load_stage
-    from cascadia.model.config import load_shape
+    from cascadia.model.loader import load_shape, load_stage
 
     shape = load_shape(model_dir)
     start = 0 if start is None else start
@@ -99,7 +98,7 @@ def load_engine(model_dir: Path, settings, start: int | None = None, end: int | 
 
 @app.command()
 def generate(
-    model: Annotated[str, typer.Option(help="Checkpoint directory.")],
+    model: Annotated[str, typer.Option(help=MODEL_HELP)],
     prompt: Annotated[str | None, typer.Option(help="Prompt text (tokenised, BOS prepended).")] = None,
     prompt_ids: Annotated[str | None, typer.Option(help='Prompt token ids used as given, e.g. "1 2 3".')] = None,
     max_tokens: Annotated[int, typer.Option(min=1)] = 16,
@@ -126,19 +125,21 @@ def generate(
     if speculation == "on":
         raise fail("--speculation on: speculative decoding is not available in this build")
     model_dir = resolve_model(model)
-    tokenizer = _tokenizer(model_dir)
-    from cascadia.model.config import ConfigError, load_shape
+    codec = _text_codec(model_dir)
+    from cascadia.model.loader import load_shape
 
     try:
         shape = load_shape(model_dir)
-    except ConfigError as exc:
+    except ValueError as exc:  # ConfigError, GgufError
         raise fail(str(exc)) from None
     if prompt_ids is not None:
         ids = parse_prompt_ids(prompt_ids)
     else:
-        if tokenizer is None:
+        if codec is None:
             raise fail(f"--prompt needs {model_dir}/tokenizer.json; use --prompt-ids instead")
-        ids = ([shape.bos_token_id] if shape.bos_token_id is not None else []) + tokenizer.encode(prompt).ids
+        # Inkling checkpoints always start from BOS; other models say whether their tokenizer adds it
+        with_bos = (codec.add_bos or shape.family == "inkling") and shape.bos_token_id is not None
+        ids = ([shape.bos_token_id] if with_bos else []) + codec.encode(prompt, add_bos=False)
     bad = [i for i in ids if not 0 <= i < shape.unpadded_vocab_size]
     if bad:
         raise fail(f"--prompt-ids: {bad[0]} is outside the vocabulary [0, {shape.unpadded_vocab_size})")
@@ -160,7 +161,7 @@ def generate(
         except ValueError as exc:
             raise fail(str(exc)) from None
         result = _generate_on_fleet(model_dir, shards, precision, ids, params)
-    text = tokenizer.decode(result.token_ids) if tokenizer is not None else ""
+    text = codec.decode(result.token_ids) if codec is not None else ""
     if as_json:
         line = {
             "token_ids": result.token_ids,
@@ -236,7 +237,7 @@ def run_until_signal(server) -> None:
 
 @app.command()
 def shard(
-    model: Annotated[str, typer.Option(help="Checkpoint directory.")],
+    model: Annotated[str, typer.Option(help=MODEL_HELP)],
     layers: Annotated[str, typer.Option(help="Half-open layer range A:B.")],
     listen: Annotated[str, typer.Option(help="Address to serve on, e.g. 127.0.0.1:7001.")],
     next_addr: Annotated[str | None, typer.Option("--next", help="The next stage's address.")] = None,
@@ -262,7 +263,8 @@ def shard(
         raise fail(f"--layers '{layers}': expected A:B") from None
     model_dir = resolve_model(model)
     from cascadia.model.checkpoint import CheckpointError
-    from cascadia.model.config import ConfigError, load_shape
+    from cascadia.model.config import ConfigError
+    from cascadia.model.loader import load_shape
 
     try:
         shape = load_shape(model_dir)
@@ -317,7 +319,7 @@ MaxConcurrentPerKey = Annotated[int, typer.Option(min=0, help="Requests in fligh
 @app.command()
 def gateway(
     router: Annotated[str, typer.Option(help="Address of the router's gRPC API.")],
-    model: Annotated[str, typer.Option(help="Checkpoint directory (tokenizer, chat template, limits).")],
+    model: Annotated[str, typer.Option(help=f"{MODEL_HELP} (tokenizer, chat template, limits).")],
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535)] = 8000,
     served_model_name: Annotated[
@@ -338,7 +340,9 @@ def gateway(
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     model_dir = resolve_model(model)
-    name = served_model_name or model_dir.resolve().name
+    from cascadia.model.loader import served_name
+
+    name = served_model_name or served_name(model_dir)
     try:
         app_ = build_app(
             router,
@@ -403,7 +407,7 @@ def probe(
 
 @app.command()
 def up(
-    model: Annotated[str, typer.Option(help="Checkpoint directory.")] = "models/tiny",
+    model: Annotated[str, typer.Option(help=MODEL_HELP)] = "smollm2-135m",
     shards: Annotated[int, typer.Option(min=1)] = 3,
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port of the OpenAI API.")] = 8000,
     precision: Annotated[str, typer.Option(help="f32, bf16, f16, int8 or int4")] = "f32",
@@ -472,13 +476,14 @@ def up(
     raise typer.Exit(code)
 
 
-def _tokenizer(model_dir: Path):
-    path = model_dir / "tokenizer.json"
-    if not path.is_file():
-        return None
-    from tokenizers import Tokenizer
+def _text_codec(model: Path):
+    """The model's tokenizer and template, or None for a checkpoint that ships no tokenizer."""
+    from cascadia.gateway.text import TextCodec
 
-    return Tokenizer.from_file(str(path))
+    try:
+        return TextCodec.from_model(model)
+    except FileNotFoundError:
+        return None
 
 
 @bench_app.command("engine")
@@ -527,7 +532,8 @@ def plan(
 ) -> None:
     """Place layers on nodes; print memory per node and the bandwidth-floor throughput."""
     from cascadia.engine.weights import WEIGHT_FORMATS
-    from cascadia.model.config import ConfigError, load_shape
+    from cascadia.model.config import ConfigError
+    from cascadia.model.loader import load_shape
     from cascadia.planner import PlanError, PlanRequest, floor_throughput, parse_size, plan_fleet, preset_shape
 
     if (model is None) == (preset_name is None):
@@ -637,7 +643,7 @@ def bench_fleet(
 
 @bench_app.command("load")
 def bench_load(
-    model: Annotated[str, typer.Option(help="Checkpoint directory.")] = "models/tiny",
+    model: Annotated[str, typer.Option(help=MODEL_HELP)] = "models/tiny",
     out: Annotated[Path, typer.Option(help="Directory for JSON and PNG results.")] = Path("bench-out/load"),
     shards: Annotated[int, typer.Option(min=1)] = 3,
     clients: Annotated[str, typer.Option(help="Concurrent streaming clients per round, comma separated.")] = (

@@ -1,8 +1,7 @@
-"""`cascadia gateway`: the app for one model directory, served by uvicorn."""
+"""`cascadia gateway`: the app for one model (directory or GGUF file), served by uvicorn."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import uvicorn
@@ -12,14 +11,13 @@ from cascadia.gateway.app import GatewayConfig, create_app
 from cascadia.gateway.auth import KeyRing, load_keys
 from cascadia.gateway.router_client import RouterClient
 from cascadia.gateway.text import TextCodec
+from cascadia.model.loader import load_shape
 
 
-def model_limits(model_dir: Path) -> tuple[int, int]:
+def model_limits(model: Path) -> tuple[int, int]:
     """(vocabulary size the head produces, positions the model was configured for)."""
-    cfg = json.loads((model_dir / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg)
-    vocab = cfg.get("unpadded_vocab_size") or cfg["vocab_size"]
-    return int(vocab), int(cfg.get("max_position_embeddings", 1 << 20))
+    shape = load_shape(model)
+    return shape.unpadded_vocab_size, shape.max_position_embeddings
 
 
 def build_app(
@@ -41,9 +39,7 @@ def build_app(
         max_concurrent_per_key=max_concurrent_per_key,
         max_body_bytes=max_body_bytes,
     )
-    return create_app(
-        config, RouterClient(router_addr), TextCodec.from_directory(model_dir), KeyRing(load_keys(keys_file))
-    )
+    return create_app(config, RouterClient(router_addr), TextCodec.from_model(model_dir), KeyRing(load_keys(keys_file)))
 
 
 def serve(app: FastAPI, host: str, port: int) -> None:

@@ -40,6 +40,32 @@ class TextCodec:
     has_own_template: bool = False
 
     @classmethod
+    def from_model(cls, model: Path) -> TextCodec:
+        """The codec of a checkpoint directory or of a GGUF file."""
+        if Path(model).suffix == ".gguf" and Path(model).is_file():
+            return cls.from_gguf(Path(model))
+        return cls.from_directory(Path(model))
+
+    @classmethod
+    def from_gguf(cls, path: Path) -> TextCodec:
+        from cascadia.model.gguf_file import GgufFile
+
+        gguf = GgufFile(path)
+        tokenizer = Tokenizer.from_str(gguf.tokenizer_json())
+        config = gguf.tokenizer_config()
+        template = config["chat_template"]
+        eos_id = gguf.metadata.get("tokenizer.ggml.eos_token_id")
+        return cls(
+            tokenizer=tokenizer,
+            chat_template=template or PLAIN_CHAT_TEMPLATE,
+            bos_token=config["bos_token"],
+            eos_token=config["eos_token"],
+            add_bos=config["add_bos_token"] and config["bos_token"] is not None,
+            stop_token_ids=frozenset([eos_id] if eos_id is not None else []),
+            has_own_template=template is not None,
+        )
+
+    @classmethod
     def from_directory(cls, model_dir: Path) -> TextCodec:
         tokenizer_file = model_dir / "tokenizer.json"
         if not tokenizer_file.is_file():

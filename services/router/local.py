@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cascadia.model.config import load_shape
+from cascadia.model.loader import load_shape
 from cascadia.planner import GIB, PlanRequest, plan_fleet
 from cascadia.router.netem import EmulatedNetwork
 
