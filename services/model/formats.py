@@ -93,8 +93,10 @@ def dequantize(q: Quantized) -> np.ndarray:
         return q.values.astype(np.float32)
     if q.fmt == "int8":
         return q.values.astype(np.float32) * q.scale
-    if q.fmt in ("u4", "u8"):  # the graph subtracts and multiplies in f16
-        product = (q.values.astype(np.float16) - q.zero_point.astype(np.float16)) * q.scale
+    if q.fmt in ("u4", "u8"):
+        # small integers times an f16 scale are exact in f32, which is how the plugins decompress
+        steps = q.values.astype(np.float32) - q.zero_point.astype(np.float32)
+        product = steps * q.scale.astype(np.float32)
     else:
         product = q.values.astype(np.float16) * q.scale  # the graph multiplies in f16
     return product.reshape(*product.shape[:-2], -1).astype(np.float32)

@@ -1,0 +1,279 @@
+"""Llama-family models on the engine: a tiny random Llama against transformers, and the real SmolLM2-135M
+GGUF against OpenVINO GenAI's LLMPipeline on the same file, in one process and across shard processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cascadia.engine.batch import Segment
+from cascadia.engine.engine import StageEngine
+from cascadia.engine.generate import generate
+from cascadia.engine.sampling import SamplingParams
+from cascadia.engine.settings import EngineSettings
+from cascadia.engine.weights import dequantize, stored_node
+from cascadia.gateway.text import TextCodec
+from cascadia.model.gguf_file import GgufError, GgufFile, q4_1_blocks, q8_0_blocks
+from cascadia.model.loader import ModelNotFound, load_shape, load_stage, resolve
+
+SMOLLM = "smollm2-135m"
+PROMPTS = {
+    "prose": "The capital of France is",
+    "story": "Once upon a time, in a small village by the sea, there lived",
+    "code": "def fibonacci(n):\n    ",
+    "list": "Here are three tips for writing clear emails:\n1.",
+}
+
+
+# -- block formats (pure) ---------------------------------------------------------------------------
+
+
+def test_q4_1_blocks_follow_the_zero_point_rule():
+    rng = np.random.default_rng(0)
+    rows, cols = 3, 64
+    scale = rng.uniform(0.01, 0.2, size=(rows, cols // 32)).astype(np.float16)
+    # a block that spans zero has its minimum within 15 steps below it
+    minimum = (-rng.uniform(0.0, 15.0, size=(rows, cols // 32)) * scale).astype(np.float16)
+    q = rng.integers(0, 16, size=(rows, cols // 32, 32)).astype(np.uint8)
+    packed = (q[..., :16] | (q[..., 16:] << 4)).astype(np.uint8)
+    raw = np.concatenate([scale[..., None].view(np.uint8), minimum[..., None].view(np.uint8), packed], axis=-1)
+    blocks = q4_1_blocks(raw.reshape(rows, -1), rows, cols)
+    assert blocks.fmt == "u4" and blocks.shape == (rows, cols)
+    np.testing.assert_array_equal(blocks.values, q)
+    zero = np.floor(-minimum.astype(np.float32) / scale.astype(np.float32) + 0.5)
+    np.testing.assert_array_equal(blocks.zero_point[..., 0], zero.astype(np.uint8))
+    # the served weight is close to the file's d * q + m: within half a step of each block
+    exact = (scale[..., None].astype(np.float32) * q + minimum[..., None].astype(np.float32)).reshape(rows, cols)
+    step = np.repeat(scale.astype(np.float32), 32, axis=1)
+    assert np.all(np.abs(dequantize(blocks) - exact) <= 0.5 * step + 1e-3)
+
+
+def test_q8_0_blocks_are_exact():
+    rng = np.random.default_rng(1)
+    rows, cols = 2, 96
+    scale = rng.uniform(0.001, 0.05, size=(rows, cols // 32)).astype(np.float16)
+    q = rng.integers(-127, 128, size=(rows, cols // 32, 32)).astype(np.int8)
+    raw = np.concatenate([scale[..., None].view(np.uint8), q.view(np.uint8)], axis=-1)
+    blocks = q8_0_blocks(raw.reshape(rows, -1), rows, cols)
+    expected = (q.astype(np.float32) * scale[..., None].astype(np.float32)).reshape(rows, cols)  # as ggml computes
+    np.testing.assert_array_equal(dequantize(blocks), expected)
+
+
+@pytest.mark.parametrize("reader", [q4_1_blocks, q8_0_blocks])
+def test_block_constants_compute_what_dequantize_says(reader):
+    import openvino as ov
+    import openvino.opset16 as ops
+
+    rng = np.random.default_rng(2)
+    rows, cols = 4, 64
+    block_bytes = 20 if reader is q4_1_blocks else 34
+    raw = rng.integers(0, 256, size=(rows, cols // 32, block_bytes)).astype(np.uint8)
+    raw[..., 0:2] = np.array([0.05], np.float16).view(np.uint8)  # finite scales
+    if reader is q4_1_blocks:
+        raw[..., 2:4] = np.array([-0.3], np.float16).view(np.uint8)
+    blocks = reader(raw.reshape(rows, -1), rows, cols)
+    model = ov.Model([ops.result(stored_node(blocks, "w"))], [], "w")
+    request = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"}).create_infer_request()
+    request.infer()
+    np.testing.assert_array_equal(request.get_output_tensor(0).data, dequantize(blocks))
+
+
+# -- files and names --------------------------------------------------------------------------------
+
+
+def test_bad_gguf_files_fail_clearly(tmp_path):
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(resolve(SMOLLM).read_bytes()[:4096])
+    with pytest.raises(GgufError, match="cut.gguf: not a readable GGUF file"):
+        GgufFile(truncated)
+    not_gguf = tmp_path / "text.gguf"
+    not_gguf.write_text("hello, this is not a model")
+    with pytest.raises(GgufError, match="bad magic"):
+        GgufFile(not_gguf)
+    with pytest.raises(ModelNotFound, match="no such checkpoint directory, .gguf file or packaged model"):
+        resolve(tmp_path / "missing.gguf")
+
+
+def test_packaged_model_resolves_to_its_gguf():
+    path = resolve(SMOLLM)
+    assert path.suffix == ".gguf" and path.is_file()
+    shape = load_shape(path)
+    assert (shape.family, shape.num_layers, shape.hidden_size, shape.vocab_size) == ("llama", 30, 576, 49152)
+    assert shape.tie_word_embeddings and shape.rope_theta == 100000.0
+
+
+# -- a tiny random Llama against transformers --------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def tiny_llama(request, tmp_path_factory) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=5000.0,
+        tie_word_embeddings=request.param,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # larger weights than the default init, so greedy choices are far from ties
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    out = tmp_path_factory.mktemp("llama") / ("tied" if request.param else "untied")
+    model.save_pretrained(out)
+    return out
+
+
+def _oracle(path: Path):
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def test_tiny_llama_matches_transformers_layer_by_layer(tiny_llama):
+    shape = load_shape(tiny_llama)
+    engine = StageEngine(load_stage(tiny_llama, 0, shape.num_layers), EngineSettings())
+    ids = np.random.default_rng(4).integers(3, 300, size=40)
+    trace: list[np.ndarray] = []
+    engine.open("s")
+    logits = engine.step([Segment("s", 0, len(ids))], ids, trace=trace).logits
+    with torch.no_grad():
+        ref = _oracle(tiny_llama)(torch.tensor(ids[None]), output_hidden_states=True)
+    for layer, (ours, theirs) in enumerate(zip(trace, ref.hidden_states[1:], strict=True)):
+        theirs = theirs[0].numpy()
+        if layer == shape.num_layers - 1:
+            continue  # transformers' last hidden state is after the final norm
+        rel = np.sqrt(np.mean((ours - theirs) ** 2)) / np.sqrt(np.mean(theirs**2))
+        assert rel <= 1e-4, f"layer {layer}: relative rms {rel:.2e}"
+    ref_logits = ref.logits[0].numpy()
+    rel = np.sqrt(np.mean((logits - ref_logits) ** 2)) / np.sqrt(np.mean(ref_logits**2))
+    assert rel <= 1e-4
+    np.testing.assert_array_equal(logits.argmax(-1), ref_logits.argmax(-1))
+
+
+def test_tiny_llama_greedy_ids_match_transformers(tiny_llama):
+    shape = load_shape(tiny_llama)
+    engine = StageEngine(load_stage(tiny_llama, 0, shape.num_layers), EngineSettings())
+    prompt = [5, 17, 250, 3, 99, 42]
+    ours = generate(engine, prompt, SamplingParams(max_tokens=40), prefill_window=4).token_ids
+    with torch.no_grad():
+        theirs = _oracle(tiny_llama).generate(
+            torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    assert ours == theirs[0, len(prompt) :].tolist()
+
+
+def test_tiny_llama_streams_batched_equal_streams_alone(tiny_llama):
+    shape = load_shape(tiny_llama)
+    engine = StageEngine(load_stage(tiny_llama, 0, shape.num_layers), EngineSettings())
+    rng = np.random.default_rng(5)
+    prompts = {name: rng.integers(3, 300, size=n) for name, n in (("a", 9), ("b", 3), ("c", 14))}
+    alone = {}
+    for name, ids in prompts.items():
+        engine.open(name)
+        alone[name] = engine.step([Segment(name, 0, len(ids))], ids).logits
+        engine.close(name)
+    # together, "c" split into a window and a later batch with the others' decode-sized pieces
+    for name in prompts:
+        engine.open(name)
+    first = engine.step([Segment("c", 0, 10), Segment("a", 0, 9)], np.concatenate([prompts["c"][:10], prompts["a"]]))
+    second = engine.step([Segment("b", 0, 3), Segment("c", 10, 4)], np.concatenate([prompts["b"], prompts["c"][10:]]))
+    np.testing.assert_allclose(first.logits[10:], alone["a"], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(second.logits[:3], alone["b"], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.concatenate([first.logits[:10], second.logits[3:]]), alone["c"], rtol=1e-4, atol=1e-4)
+
+
+# -- SmolLM2-135M (real weights) against OpenVINO GenAI -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm_engine() -> StageEngine:
+    path = resolve(SMOLLM)
+    return StageEngine(load_stage(path, 0, load_shape(path).num_layers), EngineSettings())
+
+
+@pytest.fixture(scope="module")
+def genai():
+    genai = pytest.importorskip("openvino_genai")
+    from cascadia.bench.peer import genai_pipeline
+
+    return genai, genai_pipeline(resolve(SMOLLM))
+
+
+@pytest.fixture(scope="module")
+def codec() -> TextCodec:
+    return TextCodec.from_model(resolve(SMOLLM))
+
+
+def _genai_greedy(genai, ids: list[int], n: int) -> list[int]:
+    import openvino as ov
+
+    module, pipe = genai
+    config = module.GenerationConfig()
+    config.max_new_tokens, config.do_sample, config.ignore_eos = n, False, True
+    result = pipe.generate(ov.Tensor(np.array([ids], dtype=np.int64)), config)
+    return [int(t) for t in result.tokens[0]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PROMPTS))
+def test_smollm_greedy_ids_equal_genai(name, smollm_engine, genai, codec):
+    ids = codec.encode(PROMPTS[name])
+    ours = generate(smollm_engine, ids, SamplingParams(max_tokens=40)).token_ids
+    assert ours == _genai_greedy(genai, ids, 40)
+
+
+@pytest.mark.slow
+def test_smollm_chat_prompt_ids_equal_genai(smollm_engine, genai, codec):
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    module, pipe = genai
+    history = module.ChatHistory(messages) if hasattr(module, "ChatHistory") else messages
+    text = pipe.get_tokenizer().apply_chat_template(history, add_generation_prompt=True)
+    theirs = [int(t) for t in pipe.get_tokenizer().encode(text, add_special_tokens=False).input_ids.data[0]]
+    ids = codec.encode_chat(messages)
+    assert ids == theirs
+    for sample in [*PROMPTS.values(), "Numbers 12345 and 3.14159, émigré café ☕ 日本語", "  two  spaces\t\ttabs\n\n"]:
+        genai_ids = [int(t) for t in pipe.get_tokenizer().encode(sample, add_special_tokens=False).input_ids.data[0]]
+        assert codec.encode(sample) == genai_ids, sample
+    answer = generate(smollm_engine, ids, SamplingParams(max_tokens=8, stop_ids=codec.stop_token_ids)).token_ids
+    assert "Paris" in codec.decode(answer)
+
+
+@pytest.mark.slow
+def test_smollm_knows_the_capital_of_france(smollm_engine, codec):
+    ids = codec.encode("The capital of France is")
+    out = generate(smollm_engine, ids, SamplingParams(max_tokens=4)).token_ids
+    assert codec.decode(out).startswith(" Paris")
+
+
+@pytest.mark.slow
+def test_smollm_dense_layers_run_through_the_fused_expert_path(smollm_engine):
+    for ops in smollm_engine.runtime_ops():
+        assert ops.get("GatherMatmul", 0) + ops.get("GatherMatmulCompressed", 0) >= 3, ops
+
+
+@pytest.mark.slow
+def test_smollm_three_shard_processes_equal_one(smollm_engine, codec):
+    ids = codec.encode(PROMPTS["code"])
+    alone = generate(smollm_engine, ids, SamplingParams(max_tokens=32)).token_ids
+    cmd = [sys.executable, "-m", "cascadia.cli", "generate", "--model", SMOLLM, "--shards", "3"]
+    cmd += ["--prompt-ids", " ".join(map(str, ids)), "--max-tokens", "32", "--json"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1])["token_ids"] == alone
