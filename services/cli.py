@@ -641,6 +641,30 @@ def bench_fleet(
     sys.stdout.write(json.dumps(summary, indent=2) + "\n")
 
 
+@bench_app.command("peer")
+def bench_peer(
+    model: Annotated[str, typer.Option(help="A GGUF model both sides read.")] = "smollm2-135m",
+    out: Annotated[Path, typer.Option(help="Directory for JSON and PNG results.")] = Path("bench-out/peer"),
+    streams: Annotated[str, typer.Option(help="Concurrent streams, comma separated.")] = "1,8",
+    new_tokens: Annotated[int, typer.Option(min=2)] = 64,
+    repeats: Annotated[int, typer.Option(min=1, help="Measurements per point (median reported).")] = 3,
+    shards: Annotated[int, typer.Option(min=0, help="Shard processes of the fleet measured too (0: none).")] = 3,
+) -> None:
+    """Decode tok/s and time to first token against OpenVINO GenAI on the same GGUF, in one run."""
+    from cascadia.bench.peer import PeerBenchConfig, run_peer_bench
+    from cascadia.model.loader import is_gguf
+
+    path = resolve_model(model)
+    if not is_gguf(path):
+        raise fail(f"--model {model}: the peer benchmark needs a GGUF file, which GenAI reads too")
+    try:
+        counts = tuple(int(c) for c in streams.split(",") if c)
+    except ValueError:
+        raise fail(f"--streams '{streams}': expected integers separated by commas") from None
+    summary = run_peer_bench(PeerBenchConfig(path, out, counts, new_tokens, repeats, shards), err)
+    sys.stdout.write(json.dumps({"results": summary["results"], "ratios": summary["ratios"]}) + "\n")
+
+
 @bench_app.command("load")
 def bench_load(
     model: Annotated[str, typer.Option(help=MODEL_HELP)] = "models/tiny",

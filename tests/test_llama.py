@@ -277,3 +277,37 @@ def test_smollm_three_shard_processes_equal_one(smollm_engine, codec):
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr[-2000:]
     assert json.loads(run.stdout.strip().splitlines()[-1])["token_ids"] == alone
+
+
+@pytest.mark.slow
+def test_default_fleet_answers_through_the_openai_client(tmp_path, codec):
+    """`cascadia up` with no --model: SmolLM2 across 3 shard processes, as the README shows it."""
+    import httpx
+    import openai
+
+    from cascadia.bench.load import wait_until_ready
+    from cascadia.router.local import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "cascadia.cli", "up", "--port", str(port), "--log-dir", str(tmp_path)]
+    with open(tmp_path / "up.log", "w") as out:
+        process = subprocess.Popen(cmd, stdout=out, stderr=out)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_ready(base, process)
+        assert "3 shards" in (tmp_path / "up.log").read_text()
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == [SMOLLM]
+        messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+        chat = client.chat.completions.create(model=SMOLLM, messages=messages, max_tokens=8, temperature=0)
+        assert "Paris" in chat.choices[0].message.content
+        assert chat.usage.prompt_tokens == len(codec.encode_chat(messages))
+        reply = httpx.post(
+            base + "/v1/completions",
+            json={"model": SMOLLM, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0},
+            timeout=120,
+        ).json()
+        assert reply["choices"][0]["text"].startswith(" Paris")
+    finally:
+        process.terminate()
+        process.wait(30)

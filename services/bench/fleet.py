@@ -16,7 +16,7 @@ import numpy as np
 from rich.console import Console
 
 from cascadia.engine.sampling import SamplingParams
-from cascadia.model.config import load_shape
+from cascadia.model.loader import load_shape
 from cascadia.router.local import LocalFleet, free_port
 from cascadia.router.netem import EmulatedNetwork, LinkShape
 from cascadia.router.pipeline import PipelineDriver

@@ -1,12 +1,31 @@
-"""`cascadia bench peer`: our engine and fleet against OpenVINO GenAI on the same GGUF file."""
+"""`cascadia bench peer`: our engine and our fleet against OpenVINO GenAI on the same GGUF file, one run.
+
+Both sides use the file's weights as stored (Q4_1 / Q8_0 blocks), f32 arithmetic, an f32 KV cache
+and no int8 activation quantisation. Greedy decoding of real prompts with EOS ignored, so every
+measurement decodes the same number of tokens. Medians over repeats.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+from rich.console import Console
+
+from cascadia.engine.batch import Segment
+from cascadia.engine.engine import StageEngine
+from cascadia.engine.sampling import SamplingParams
+
 # Our f32 mode's settings, spelled for GenAI: f32 arithmetic, f32 KV cache, no int8 activations
 GENAI_F32 = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
 def genai_pipeline(model: Path, device: str = "CPU", **extra: Any):
@@ -14,3 +33,194 @@ def genai_pipeline(model: Path, device: str = "CPU", **extra: Any):
     import openvino_genai
 
     return openvino_genai.LLMPipeline(str(model), device, **GENAI_F32, **extra)
+
+
+@dataclass(frozen=True)
+class PeerBenchConfig:
+    model: Path
+    out: Path
+    streams: tuple[int, ...] = (1, 8)
+    new_tokens: int = 64
+    repeats: int = 3
+    shards: int = 3  # 0: skip the fleet
+
+
+@dataclass(frozen=True)
+class Timing:
+    ttft_s: float
+    decode_tokens_per_s: float  # aggregate over the streams, after the first token
+
+
+def _median(runs: list[Timing]) -> dict[str, float]:
+    return {
+        "ttft_s": statistics.median(r.ttft_s for r in runs),
+        "decode_tokens_per_s": statistics.median(r.decode_tokens_per_s for r in runs),
+        "runs": len(runs),
+    }
+
+
+def time_genai(pipe, prompt_ids: list[int], streams: int, new_tokens: int) -> Timing:
+    import openvino as ov
+    import openvino_genai
+
+    config = openvino_genai.GenerationConfig()
+    config.max_new_tokens, config.do_sample, config.ignore_eos = new_tokens, False, True
+    batch = ov.Tensor(np.array([prompt_ids] * streams, dtype=np.int64))
+    start = time.perf_counter()
+    result = pipe.generate(batch, config)
+    total = time.perf_counter() - start
+    ttft = result.perf_metrics.get_ttft().mean / 1e3
+    produced = sum(len(t) for t in result.tokens)
+    return Timing(ttft, (produced - streams) / max(total - ttft, 1e-9))
+
+
+def time_engine(engine: StageEngine, prompt_ids: list[int], streams: int, new_tokens: int) -> Timing:
+    """Every stream prefilled in one step, then batched greedy decode steps over all of them."""
+    names = [f"bench-{i}" for i in range(streams)]
+    for name in names:
+        engine.open(name)
+    try:
+        n = len(prompt_ids)
+        start = time.perf_counter()
+        ids = np.array(prompt_ids * streams)
+        last = np.arange(1, streams + 1) * n - 1
+        logits = engine.step([Segment(s, 0, n) for s in names], ids, last).logits
+        tokens = logits.argmax(-1)
+        first = time.perf_counter()
+        for step in range(new_tokens - 1):
+            logits = engine.step([Segment(s, n + step, 1) for s in names], tokens).logits
+            tokens = logits.argmax(-1)
+        end = time.perf_counter()
+        return Timing(first - start, streams * (new_tokens - 1) / (end - first))
+    finally:
+        for name in names:
+            engine.close(name)
+
+
+async def _time_fleet(driver, prompt_ids: list[int], streams: int, new_tokens: int, tag: str) -> Timing:
+    from cascadia.router.scheduler import Request
+
+    params = SamplingParams(max_tokens=new_tokens)
+    requests = [Request(f"{tag}-{i}", tuple(prompt_ids), params) for i in range(streams)]
+    start = time.perf_counter()
+    results = await asyncio.gather(*(driver.generate(r) for r in requests))
+    end = time.perf_counter()
+    decode_start = max(r.first_token_at for r in results)
+    after = sum(1 for r in results for t in r.token_times if t > decode_start)
+    ttft = statistics.median(r.first_token_at - start for r in results)
+    return Timing(ttft, after / (end - decode_start) if after else 0.0)
+
+
+def _repeat(fn: Callable[[], Timing], repeats: int) -> dict[str, float]:
+    fn()  # warm-up
+    return _median([fn() for _ in range(repeats)])
+
+
+def run_peer_bench(config: PeerBenchConfig, console: Console) -> dict[str, Any]:
+    from cascadia.gateway.text import TextCodec
+
+    config.out.mkdir(parents=True, exist_ok=True)
+    prompt_ids = TextCodec.from_model(config.model).encode(PROMPT)
+    summary: dict[str, Any] = {
+        "model": config.model.name,
+        "prompt_tokens": len(prompt_ids),
+        "new_tokens": config.new_tokens,
+        "settings": GENAI_F32,
+        "results": {},
+    }
+    with console.status("GenAI"):
+        summary["results"]["genai"] = _measure_genai(config, prompt_ids)
+    console.print(f"GenAI: {summary['results']['genai']}")
+    with console.status("engine"):
+        summary["results"]["engine"] = _measure_engine(config, prompt_ids)
+    console.print(f"engine: {summary['results']['engine']}")
+    if config.shards:
+        summary["results"][f"fleet-{config.shards}"] = _run_fleet(config, prompt_ids, console)
+    genai = summary["results"]["genai"]
+    summary["ratios"] = {
+        name: {n: r[n]["decode_tokens_per_s"] / genai[n]["decode_tokens_per_s"] for n in r}
+        for name, r in summary["results"].items()
+        if name != "genai"
+    }
+    (config.out / "peer.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _plot(summary, config.out / "peer.png")
+    return summary
+
+
+def _measure_genai(config: PeerBenchConfig, prompt_ids: list[int]) -> dict[str, Any]:
+    pipe = genai_pipeline(config.model)
+    return {
+        str(n): _repeat(lambda n=n: time_genai(pipe, prompt_ids, n, config.new_tokens), config.repeats)
+        for n in config.streams
+    }
+
+
+def _measure_engine(config: PeerBenchConfig, prompt_ids: list[int]) -> dict[str, Any]:
+    from cascadia.engine.settings import EngineSettings
+    from cascadia.model.loader import load_shape, load_stage
+
+    shape = load_shape(config.model)
+    engine = StageEngine(load_stage(config.model, 0, shape.num_layers), EngineSettings())
+    return {
+        str(n): _repeat(lambda n=n: time_engine(engine, prompt_ids, n, config.new_tokens), config.repeats)
+        for n in config.streams
+    }
+
+
+def _run_fleet(config: PeerBenchConfig, prompt_ids: list[int], console: Console) -> dict[str, Any]:
+    from cascadia.router.local import LocalFleet
+    from cascadia.router.pipeline import PipelineDriver
+    from cascadia.router.scheduler import SchedulerConfig
+
+    fleet = LocalFleet(config.model, config.shards, "f32")
+    fleet.start(log_dir=config.out)
+
+    async def go() -> dict[str, Any]:
+        driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, SchedulerConfig(stages=config.shards), 600)
+        await driver.start()
+        try:
+            with console.status(f"starting {config.shards} shards"):
+                await driver.wait_ready(timeout=600)
+            out = {}
+            for n in config.streams:
+                await _time_fleet(driver, prompt_ids, n, config.new_tokens, f"warm-{n}")
+                runs = [
+                    await _time_fleet(driver, prompt_ids, n, config.new_tokens, f"run-{n}-{i}")
+                    for i in range(config.repeats)
+                ]
+                out[str(n)] = _median(runs)
+            return out
+        finally:
+            await driver.stop()
+
+    try:
+        result = asyncio.run(go())
+    finally:
+        fleet.stop()
+    console.print(f"fleet of {config.shards}: {result}")
+    return result
+
+
+def _plot(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = summary["results"]
+    names = list(results)
+    counts = list(results["genai"])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    width = 0.8 / len(names)
+    for k, name in enumerate(names):
+        xs = np.arange(len(counts)) + k * width
+        axes[0].bar(xs, [results[name][n]["decode_tokens_per_s"] for n in counts], width, label=name)
+        axes[1].bar(xs, [results[name][n]["ttft_s"] for n in counts], width, label=name)
+    for ax, label in zip(axes, ("aggregate decode tokens / s", "time to first token (s)"), strict=True):
+        ax.set_xticks(np.arange(len(counts)) + 0.4 - width / 2, [f"{n} stream(s)" for n in counts])
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.suptitle(f"{summary['model']}: ours vs OpenVINO GenAI (same GGUF, f32 compute)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
