@@ -420,6 +420,7 @@ def up(
     log_dir: Annotated[Path | None, typer.Option(help="Write each process's log here.")] = None,
 ) -> None:
     """The whole fleet on this machine: shard processes, the router and the gateway, until Ctrl-C."""
+    import signal
     import subprocess
     import time
 
@@ -435,24 +436,27 @@ def up(
         raise fail(str(exc)) from None
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
+    # SIGTERM (a service manager, a test) stops the fleet like Ctrl-C: children must not outlive us
+    signal.signal(signal.SIGTERM, _interrupt)
     # the shards hold what the gateway admits: prompt plus generated tokens per stream
     fleet = LocalFleet(model_dir, shards, precision, context=max_context)
-    fleet.start(log_dir)
-    router_port = router_port or free_port()
-    router_proc = fleet.start_router(router_port, log_dir / "router.log" if log_dir else None)
-    cmd = [sys.executable, "-m", "cascadia.cli", "gateway", "--router", f"127.0.0.1:{router_port}"]
-    cmd += ["--model", str(model_dir), "--port", str(port), "--max-context", str(max_context)]
-    cmd += ["--max-concurrent-per-key", str(max_concurrent_per_key)]
-    if api_keys_file is not None:
-        cmd += ["--api-keys-file", str(api_keys_file)]
-    gateway_log = open(log_dir / "gateway.log", "w") if log_dir else None  # noqa: SIM115
-    gateway_proc = subprocess.Popen(cmd, stdout=gateway_log, stderr=subprocess.STDOUT if gateway_log else None)
-    err.print(
-        f"{shards} shards on {', '.join(fleet.stage_addrs)}; router on 127.0.0.1:{router_port}; "
-        f"OpenAI API on http://127.0.0.1:{port}/v1 (Ctrl-C stops)"
-    )
+    gateway_proc: subprocess.Popen | None = None
     code = 0
     try:
+        fleet.start(log_dir)
+        router_port = router_port or free_port()
+        router_proc = fleet.start_router(router_port, log_dir / "router.log" if log_dir else None)
+        cmd = [sys.executable, "-m", "cascadia.cli", "gateway", "--router", f"127.0.0.1:{router_port}"]
+        cmd += ["--model", str(model_dir), "--port", str(port), "--max-context", str(max_context)]
+        cmd += ["--max-concurrent-per-key", str(max_concurrent_per_key)]
+        if api_keys_file is not None:
+            cmd += ["--api-keys-file", str(api_keys_file)]
+        gateway_log = open(log_dir / "gateway.log", "w") if log_dir else None  # noqa: SIM115
+        gateway_proc = subprocess.Popen(cmd, stdout=gateway_log, stderr=subprocess.STDOUT if gateway_log else None)
+        err.print(
+            f"{shards} shards on {', '.join(fleet.stage_addrs)}; router on 127.0.0.1:{router_port}; "
+            f"OpenAI API on http://127.0.0.1:{port}/v1 (Ctrl-C stops)"
+        )
         while True:
             dead = fleet.dead()
             if dead or router_proc.poll() is not None or gateway_proc.poll() is not None:
@@ -466,7 +470,7 @@ def up(
     except KeyboardInterrupt:
         err.print("stopping")
     finally:
-        if gateway_proc.poll() is None:
+        if gateway_proc is not None and gateway_proc.poll() is None:
             gateway_proc.terminate()
             try:
                 gateway_proc.wait(10)
@@ -474,6 +478,10 @@ def up(
                 gateway_proc.kill()
         fleet.stop()
     raise typer.Exit(code)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _text_codec(model: Path):

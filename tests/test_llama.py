@@ -284,6 +284,7 @@ def test_default_fleet_answers_through_the_openai_client(tmp_path, codec):
     """`cascadia up` with no --model: SmolLM2 across 3 shard processes, as the README shows it."""
     import httpx
     import openai
+    import psutil
 
     from cascadia.bench.load import wait_until_ready
     from cascadia.router.local import free_port
@@ -308,6 +309,11 @@ def test_default_fleet_answers_through_the_openai_client(tmp_path, codec):
             timeout=120,
         ).json()
         assert reply["choices"][0]["text"].startswith(" Paris")
+        children = psutil.Process(process.pid).children(recursive=True)
+        assert len(children) == 5  # three shards, the router, the gateway
     finally:
         process.terminate()
         process.wait(30)
+    # SIGTERM stops the whole fleet, not just `cascadia up`
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, [p.cmdline() for p in alive]
