@@ -19,6 +19,7 @@ from cascadia.engine.batch import Segment, StepPlan, plan_step
 from cascadia.engine.settings import EngineSettings
 from cascadia.engine.state import BudgetExceeded, GrowingRows, LayerState, RingRows, StreamState
 from cascadia.model.checkpoint import LayerWeights, StageWeights
+from cascadia.model.config import AttentionShape
 from cascadia.model.formats import as_float
 
 CONVS = ("k", "v", "o", "m")
@@ -58,6 +59,14 @@ def _power_of_two_scale(layer: LayerWeights) -> float:
     bound = float(np.abs(as_float(layer.experts.down)).sum(axis=-1).max())
     exponent = max(0, math.ceil(math.log2(max(bound, 1e-30))) - 8)
     return 2.0**-exponent
+
+
+@dataclass(frozen=True)
+class _LayerInfo:
+    """What stream state needs of a layer compiled as part of a whole-stage model."""
+
+    index: int
+    attention: AttentionShape
 
 
 class _Layer:
@@ -150,10 +159,22 @@ class StageEngine:
             )
             self._embed = core.compile_model(model, settings.device, residual_cfg).create_infer_request()
             tick("embedding")
-        self._layers: list[_Layer] = []
-        for layer in weights.layers:
-            self._layers.append(_Layer(core, self.shape, layer, settings))
-            tick(f"layer {layer.index}")
+        self._layers: list[_Layer | _LayerInfo] = []
+        self._stage_model = self._stage_request = None
+        if self.shape.family == "llama" and not settings.split_expert_graph:
+            # small dense layers: one compiled model for the whole range, so a step is one call
+            model = llama_graphs.stage_graph(
+                self.shape, weights.layers, settings.attention_weights, settings.expert_weights
+            )
+            self._stage_model = core.compile_model(model, settings.device, residual_cfg)
+            self._stage_request = self._stage_model.create_infer_request()
+            for layer in weights.layers:
+                self._layers.append(_LayerInfo(layer.index, self.shape.layer_attention(layer.index)))
+                tick(f"layer {layer.index}")
+        else:
+            for layer in weights.layers:
+                self._layers.append(_Layer(core, self.shape, layer, settings))
+                tick(f"layer {layer.index}")
         if self.is_last:
             model = graphs.head_graph(self.shape, weights.final_norm, weights.head, settings.head_weights)
             self._head = core.compile_model(model, settings.device, residual_cfg).create_infer_request()
@@ -163,10 +184,17 @@ class StageEngine:
         self._streams: dict[Hashable, StreamState] = {}
 
     def runtime_ops(self) -> list[dict[str, int]]:
-        """Per layer, the plugin's executed op types (to check which expert fusion formed)."""
+        """Per compiled layer (or for the whole stage when it is one model), the plugin's executed op types.
+
+        This is how to check which expert fusion formed.
+        """
         counts = []
-        for layer in self._layers:
-            models = [m for m in (layer.attention_model, layer.expert_model) if m is not None]
+        groups = (
+            [[self._stage_model]]
+            if self._stage_model is not None
+            else [[m for m in (layer.attention_model, layer.expert_model) if m is not None] for layer in self._layers]
+        )
+        for models in groups:
             kinds: dict[str, int] = {}
             for model in models:
                 for op in model.get_runtime_model().get_ops():
@@ -270,10 +298,13 @@ class StageEngine:
                 for rows_store in (layer_state.keys, layer_state.values):
                     if isinstance(rows_store, GrowingRows):
                         rows_store.reserve(state.position + max(s.length for s in segments))
-        for li, layer in enumerate(self._layers):
-            hidden = self._run_layer(li, layer, plan, states, hidden)
-            if trace is not None:
-                trace.append(hidden)
+        if self._stage_request is not None:
+            hidden = self._run_stage(plan, states, hidden, trace)
+        else:
+            for li, layer in enumerate(self._layers):
+                hidden = self._run_layer(li, layer, plan, states, hidden)
+                if trace is not None:
+                    trace.append(hidden)
         for seg, state in zip(segments, states, strict=True):
             state.position += seg.length
         if not self.is_last:
@@ -284,6 +315,34 @@ class StageEngine:
 
     def _global_limit(self, state: StreamState) -> int:
         return next(layer.keys.limit for layer in state.layers if isinstance(layer.keys, GrowingRows))
+
+    def _run_stage(
+        self, plan: StepPlan, states: list[StreamState], hidden: np.ndarray, trace: list[np.ndarray] | None
+    ) -> np.ndarray:
+        """Every layer in one call (Llama family): the key tables are shared, each layer has its own cache."""
+        keys_plan = plan.keys[None]
+        past = np.maximum(keys_plan.past_positions, 0)
+        inputs = {
+            "hidden": hidden,
+            "row_stream": plan.row_stream,
+            "step_keys": keys_plan.step_keys,
+            "key_mask": keys_plan.key_mask,
+            "query_position": plan.row_position.astype(np.float32),
+        }
+        for li in range(len(self._layers)):
+            inputs[f"past_k_{li}"] = np.stack([st.layers[li].keys.read(past[b]) for b, st in enumerate(states)])
+            inputs[f"past_v_{li}"] = np.stack([st.layers[li].values.read(past[b]) for b, st in enumerate(states)])
+        out = _infer(self._stage_request, inputs)
+        for b, (seg, st) in enumerate(zip(plan.segments, states, strict=True)):
+            first = int(plan.row_offset[b])
+            rows = slice(first, first + seg.length)
+            positions = plan.row_position[rows]
+            for li, ls in enumerate(st.layers):
+                self._write(ls.keys, positions, out[f"new_k_{li}"][rows])
+                self._write(ls.values, positions, out[f"new_v_{li}"][rows])
+        if trace is not None:
+            trace.extend(out[f"layer_out_{li}"] for li in range(len(self._layers)))
+        return out["hidden_out"]
 
     def _run_layer(
         self, li: int, layer: _Layer, plan: StepPlan, states: list[StreamState], hidden: np.ndarray

@@ -7,6 +7,9 @@ absolute position for the rotary embedding. Keys are cached after rotation. The 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import numpy as np
 import openvino as ov
 import openvino.opset16 as ops
@@ -34,55 +37,113 @@ def rotate(x: Node, cos: Node, sin: Node, head_dim: int) -> Node:
     return ops.add(ops.multiply(x, cos), ops.multiply(rotated, sin))
 
 
+@dataclass(frozen=True)
+class _Shared:
+    """Per-step inputs every layer of a stage reads: the key tables and each row's rotary angles."""
+
+    row_stream: Node
+    step_keys: Node
+    key_mask: Node
+    cos: Node
+    sin: Node
+
+
+def _shared_inputs(shape: ModelShape) -> tuple[list[Node], _Shared]:
+    d = shape.attention[0].head_dim
+    row_stream = _param("row_stream", [-1], "i32")
+    step_keys = _param("step_keys", [-1, -1], "i32")
+    key_mask = _param("key_mask", [-1, -1])
+    position = _param("query_position", [-1])
+    angles = ops.multiply(ops.unsqueeze(position, _i64(1)), _f32(inverse_frequencies(d, shape.rope_theta)[None, :]))
+    angles = ops.unsqueeze(ops.concat([angles, angles], -1), _i64(1))  # [T, 1, D]
+    shared = _Shared(row_stream, step_keys, key_mask, ops.cos(angles), ops.sin(angles))
+    return [row_stream, step_keys, key_mask, position], shared
+
+
+def _layer(
+    shape: ModelShape,
+    layer: LlamaLayerWeights,
+    hidden: Node,
+    shared: _Shared,
+    past_k: Node,
+    past_v: Node,
+    attention_fmt: WeightFormat,
+    expert_fmt: WeightFormat | None,
+) -> tuple[Node, Node, list[Node]]:
+    """One layer's nodes: (new keys, new values, [hidden_out] or the expert graph's inputs)."""
+    i = layer.index
+    a = shape.layer_attention(i)
+    d = a.head_dim
+    groups = a.num_heads // a.num_kv_heads
+    eps = shape.rms_norm_eps
+
+    x = rms_norm(hidden, layer.input_norm, eps)
+    q = ops.reshape(linear(x, layer.q_proj, attention_fmt, f"l{i}.q"), _i64(-1, a.num_heads, d), False)
+    k = ops.reshape(linear(x, layer.k_proj, attention_fmt, f"l{i}.k"), _i64(-1, a.num_kv_heads, d), False)
+    v = ops.reshape(linear(x, layer.v_proj, attention_fmt, f"l{i}.v"), _i64(-1, a.num_kv_heads, d), False)
+    q = rotate(q, shared.cos, shared.sin, d)
+    keys_new = rotate(k, shared.cos, shared.sin, d)
+
+    row_stream, step_keys = shared.row_stream, shared.step_keys
+    keys = ops.concat([ops.gather(past_k, row_stream, _i64(0)), ops.gather(keys_new, step_keys, _i64(0))], 1)
+    values = ops.concat([ops.gather(past_v, row_stream, _i64(0)), ops.gather(v, step_keys, _i64(0))], 1)
+    q_grouped = ops.reshape(q, _i64(0, a.num_kv_heads, groups, d), True)  # [T, Hkv, G, D]
+    scores = ops.matmul(q_grouped, ops.transpose(keys, _i64(0, 2, 3, 1)), False, False)  # [T, Hkv, G, L]
+    scores = ops.add(ops.multiply(scores, _f32(1.0 / np.sqrt(d))), ops.unsqueeze(shared.key_mask, _i64(1, 2)))
+    context = ops.matmul(ops.softmax(scores, -1), ops.transpose(values, _i64(0, 2, 1, 3)), False, False)
+    context = ops.reshape(context, _i64(-1, a.q_width), False)
+    residual = ops.add(hidden, linear(context, layer.o_proj, attention_fmt, f"l{i}.o"))
+    mlp_input = rms_norm(residual, layer.post_attention_norm, eps)
+
+    index, weight = graphs._routing(shape, layer, mlp_input)
+    if expert_fmt is None:
+        return keys_new, v, [residual, mlp_input, index, weight]
+    _, (hidden_out,) = graphs._expert_block(shape, layer, mlp_input, index, weight, residual, None, expert_fmt)
+    return keys_new, v, [hidden_out]
+
+
 def layer_graph(
     shape: ModelShape,
     layer: LlamaLayerWeights,
     attention_fmt: WeightFormat,
     expert_fmt: WeightFormat | None,
 ) -> ov.Model:
-    """Norm, RoPE attention, residual, post-attention norm, and (with `expert_fmt`) the FFN and its residual."""
-    i = layer.index
-    a = shape.layer_attention(i)
-    h, d = shape.hidden_size, a.head_dim
-    groups = a.num_heads // a.num_kv_heads
-    eps = shape.rms_norm_eps
+    """One layer: norm, RoPE attention, residual, post-attention norm, and (with `expert_fmt`) the FFN and its residual.
 
-    hidden = _param("hidden", [-1, h])
-    row_stream = _param("row_stream", [-1], "i32")
-    past_k = _param("past_k", [-1, -1, a.num_kv_heads, d])
-    past_v = _param("past_v", [-1, -1, a.num_kv_heads, d])
-    step_keys = _param("step_keys", [-1, -1], "i32")
-    key_mask = _param("key_mask", [-1, -1])
-    position = _param("query_position", [-1])
-    params = [hidden, row_stream, past_k, past_v, step_keys, key_mask, position]
+    Without `expert_fmt` it ends at the expert graph's inputs (experts at another compute precision).
+    """
+    a = shape.layer_attention(layer.index)
+    hidden = _param("hidden", [-1, shape.hidden_size])
+    past_k = _param("past_k", [-1, -1, a.num_kv_heads, a.head_dim])
+    past_v = _param("past_v", [-1, -1, a.num_kv_heads, a.head_dim])
+    shared_params, shared = _shared_inputs(shape)
+    keys, values, rest = _layer(shape, layer, hidden, shared, past_k, past_v, attention_fmt, expert_fmt)
+    names = ["hidden_out"] if expert_fmt is not None else ["residual", "mlp_input", "expert_index", "expert_weight"]
+    results = [_named(keys, "new_k"), _named(values, "new_v")] + [
+        _named(n, m) for n, m in zip(rest, names, strict=True)
+    ]
+    params = [hidden, shared_params[0], past_k, past_v, *shared_params[1:]]
+    return ov.Model([ops.result(n) for n in results], params, f"layer{layer.index}_llama")
 
-    angles = ops.multiply(ops.unsqueeze(position, _i64(1)), _f32(inverse_frequencies(d, shape.rope_theta)[None, :]))
-    angles = ops.unsqueeze(ops.concat([angles, angles], -1), _i64(1))  # [T, 1, D]
-    cos, sin = ops.cos(angles), ops.sin(angles)
 
-    x = rms_norm(hidden, layer.input_norm, eps)
-    q = ops.reshape(linear(x, layer.q_proj, attention_fmt, f"l{i}.q"), _i64(-1, a.num_heads, d), False)
-    k = ops.reshape(linear(x, layer.k_proj, attention_fmt, f"l{i}.k"), _i64(-1, a.num_kv_heads, d), False)
-    v = ops.reshape(linear(x, layer.v_proj, attention_fmt, f"l{i}.v"), _i64(-1, a.num_kv_heads, d), False)
-    q = rotate(q, cos, sin, d)
-    keys_new = _named(rotate(k, cos, sin, d), "new_k")
-    values_new = _named(v, "new_v")
+def stage_graph(
+    shape: ModelShape, layers: Sequence[LlamaLayerWeights], attention_fmt: WeightFormat, expert_fmt: WeightFormat
+) -> ov.Model:
+    """Every layer of a stage in one model: one call per step instead of one per layer.
 
-    keys = ops.concat([ops.gather(past_k, row_stream, _i64(0)), ops.gather(keys_new, step_keys, _i64(0))], 1)
-    values = ops.concat([ops.gather(past_v, row_stream, _i64(0)), ops.gather(values_new, step_keys, _i64(0))], 1)
-    q_grouped = ops.reshape(q, _i64(0, a.num_kv_heads, groups, d), True)  # [T, Hkv, G, D]
-    scores = ops.matmul(q_grouped, ops.transpose(keys, _i64(0, 2, 3, 1)), False, False)  # [T, Hkv, G, L]
-    scores = ops.add(ops.multiply(scores, _f32(1.0 / np.sqrt(d))), ops.unsqueeze(key_mask, _i64(1, 2)))
-    context = ops.matmul(ops.softmax(scores, -1), ops.transpose(values, _i64(0, 2, 1, 3)), False, False)
-    context = ops.reshape(context, _i64(-1, a.q_width), False)
-    residual = _named(ops.add(hidden, linear(context, layer.o_proj, attention_fmt, f"l{i}.o")), "residual")
-    mlp_input = _named(rms_norm(residual, layer.post_attention_norm, eps), "mlp_input")
-
-    results = [keys_new, values_new]
-    index, weight = graphs._routing(shape, layer, mlp_input)
-    if expert_fmt is None:
-        results += [residual, mlp_input, _named(index, "expert_index"), _named(weight, "expert_weight")]
-    else:
-        _, expert_results = graphs._expert_block(shape, layer, mlp_input, index, weight, residual, None, expert_fmt)
-        results += expert_results
-    return ov.Model([ops.result(n) for n in results], params, f"layer{i}_llama")
+    Inputs: `hidden`, the shared tables, and `past_k_{n}` / `past_v_{n}` for the stage's n-th layer;
+    outputs: `new_k_{n}`, `new_v_{n}`, each layer's output `layer_out_{n}` and `hidden_out`.
+    """
+    hidden = _param("hidden", [-1, shape.hidden_size])
+    shared_params, shared = _shared_inputs(shape)
+    params, results = [hidden, *shared_params], []
+    x = hidden
+    for n, layer in enumerate(layers):
+        a = shape.layer_attention(layer.index)
+        past_k = _param(f"past_k_{n}", [-1, -1, a.num_kv_heads, a.head_dim])
+        past_v = _param(f"past_v_{n}", [-1, -1, a.num_kv_heads, a.head_dim])
+        params += [past_k, past_v]
+        keys, values, (x,) = _layer(shape, layer, x, shared, past_k, past_v, attention_fmt, expert_fmt)
+        results += [_named(keys, f"new_k_{n}"), _named(values, f"new_v_{n}"), _named(x, f"layer_out_{n}")]
+    results.append(_named(ops.convert(x, "f32"), "hidden_out"))
+    return ov.Model([ops.result(n) for n in results], params, "stage_llama")
