@@ -360,3 +360,15 @@ def test_tiny_llama_low_precision_modes_match_the_dequantised_oracle(tiny_llama,
         ref = _dequantised_oracle(tiny_llama, settings)(torch.tensor(ids[None])).logits[0].numpy()
     rel = np.sqrt(np.mean((logits - ref) ** 2)) / np.sqrt(np.mean(ref**2))
     assert rel <= (1e-2 if mode == "bf16" else 1e-3), f"{mode}: relative rms {rel:.2e}"
+
+
+def test_dense_ffn_as_expert_slices_equals_plain_matmuls(tiny_llama):
+    shape = load_shape(tiny_llama)
+    weights = load_stage(tiny_llama, 0, shape.num_layers)
+    ids = np.random.default_rng(7).integers(3, 300, size=20)
+    logits = {}
+    for mode in ("experts", "matmul"):
+        engine = StageEngine(weights, EngineSettings(dense_ffn=mode))
+        engine.open("s")
+        logits[mode] = engine.step([Segment("s", 0, len(ids))], ids).logits
+    np.testing.assert_allclose(logits["experts"], logits["matmul"], rtol=1e-4, atol=1e-4)

@@ -43,6 +43,8 @@ class PeerBenchConfig:
     new_tokens: int = 64
     repeats: int = 3
     shards: int = 3  # 0: skip the fleet
+    # our dense FFN both ways: as all-active expert slices (the fleet's path) and as plain matmuls
+    dense_ffn: tuple[str, ...] = ("experts", "matmul")
 
 
 @dataclass(frozen=True)
@@ -59,19 +61,18 @@ def _median(runs: list[Timing]) -> dict[str, float]:
     }
 
 
-def time_genai(pipe, prompt_ids: list[int], streams: int, new_tokens: int) -> Timing:
-    import openvino as ov
+def time_genai(pipe, prompt: str, streams: int, new_tokens: int) -> Timing:
+    """A batch of `streams` copies of the prompt through GenAI's own scheduler (text in, as its API takes batches)."""
     import openvino_genai
 
     config = openvino_genai.GenerationConfig()
     config.max_new_tokens, config.do_sample, config.ignore_eos = new_tokens, False, True
-    batch = ov.Tensor(np.array([prompt_ids] * streams, dtype=np.int64))
+    config.apply_chat_template = False
     start = time.perf_counter()
-    result = pipe.generate(batch, config)
+    result = pipe.generate([prompt] * streams, config)
     total = time.perf_counter() - start
     ttft = result.perf_metrics.get_ttft().mean / 1e3
-    produced = sum(len(t) for t in result.tokens)
-    return Timing(ttft, (produced - streams) / max(total - ttft, 1e-9))
+    return Timing(ttft, streams * (new_tokens - 1) / max(total - ttft, 1e-9))
 
 
 def time_engine(engine: StageEngine, prompt_ids: list[int], streams: int, new_tokens: int) -> Timing:
@@ -131,9 +132,11 @@ def run_peer_bench(config: PeerBenchConfig, console: Console) -> dict[str, Any]:
     with console.status("GenAI"):
         summary["results"]["genai"] = _measure_genai(config, prompt_ids)
     console.print(f"GenAI: {summary['results']['genai']}")
-    with console.status("engine"):
-        summary["results"]["engine"] = _measure_engine(config, prompt_ids)
-    console.print(f"engine: {summary['results']['engine']}")
+    for dense in config.dense_ffn:
+        name = "engine" if dense == "experts" else f"engine-{dense}"
+        with console.status(name):
+            summary["results"][name] = _measure_engine(config, prompt_ids, dense)
+        console.print(f"{name}: {summary['results'][name]}")
     if config.shards:
         summary["results"][f"fleet-{config.shards}"] = _run_fleet(config, prompt_ids, console)
     genai = summary["results"]["genai"]
@@ -150,17 +153,17 @@ def run_peer_bench(config: PeerBenchConfig, console: Console) -> dict[str, Any]:
 def _measure_genai(config: PeerBenchConfig, prompt_ids: list[int]) -> dict[str, Any]:
     pipe = genai_pipeline(config.model)
     return {
-        str(n): _repeat(lambda n=n: time_genai(pipe, prompt_ids, n, config.new_tokens), config.repeats)
+        str(n): _repeat(lambda n=n: time_genai(pipe, PROMPT, n, config.new_tokens), config.repeats)
         for n in config.streams
     }
 
 
-def _measure_engine(config: PeerBenchConfig, prompt_ids: list[int]) -> dict[str, Any]:
+def _measure_engine(config: PeerBenchConfig, prompt_ids: list[int], dense_ffn: str) -> dict[str, Any]:
     from cascadia.engine.settings import EngineSettings
     from cascadia.model.loader import load_shape, load_stage
 
     shape = load_shape(config.model)
-    engine = StageEngine(load_stage(config.model, 0, shape.num_layers), EngineSettings())
+    engine = StageEngine(load_stage(config.model, 0, shape.num_layers), EngineSettings(dense_ffn=dense_ffn))  # type: ignore[arg-type]
     return {
         str(n): _repeat(lambda n=n: time_engine(engine, prompt_ids, n, config.new_tokens), config.repeats)
         for n in config.streams

@@ -125,11 +125,13 @@ class _Layer:
         return out
 
 
-def _infer(request: ov.InferRequest, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _infer(
+    request: ov.InferRequest, inputs: dict[str, np.ndarray], outputs: list[str] | None = None
+) -> dict[str, np.ndarray]:
+    """Run `request` and copy out the named outputs (default: all of them)."""
     request.infer(inputs, share_inputs=True)
-    return {
-        name: request.get_tensor(name).data.copy() for out in request.model_outputs for name in [out.get_any_name()]
-    }
+    names = outputs if outputs is not None else [out.get_any_name() for out in request.model_outputs]
+    return {name: request.get_tensor(name).data.copy() for name in names}
 
 
 class StageEngine:
@@ -164,7 +166,7 @@ class StageEngine:
         if self.shape.family == "llama" and not settings.split_expert_graph:
             # small dense layers: one compiled model for the whole range, so a step is one call
             model = llama_graphs.stage_graph(
-                self.shape, weights.layers, settings.attention_weights, settings.expert_weights
+                self.shape, weights.layers, settings.attention_weights, settings.expert_weights, settings.dense_ffn
             )
             self._stage_model = core.compile_model(model, settings.device, residual_cfg)
             self._stage_request = self._stage_model.create_infer_request()
@@ -332,7 +334,11 @@ class StageEngine:
         for li in range(len(self._layers)):
             inputs[f"past_k_{li}"] = np.stack([st.layers[li].keys.read(past[b]) for b, st in enumerate(states)])
             inputs[f"past_v_{li}"] = np.stack([st.layers[li].values.read(past[b]) for b, st in enumerate(states)])
-        out = _infer(self._stage_request, inputs)
+        layers = range(len(self._layers))
+        wanted = ["hidden_out", *(f"new_{kv}_{li}" for li in layers for kv in "kv")]
+        if trace is not None:
+            wanted += [f"layer_out_{li}" for li in layers]
+        out = _infer(self._stage_request, inputs, wanted)
         for b, (seg, st) in enumerate(zip(plan.segments, states, strict=True)):
             first = int(plan.row_offset[b])
             rows = slice(first, first + seg.length)

@@ -18,6 +18,7 @@ from cascadia.engine import graphs
 from cascadia.engine.graphs import _f32, _i64, _named, _param, linear, rms_norm
 from cascadia.engine.weights import WeightFormat
 from cascadia.model.config import ModelShape
+from cascadia.model.formats import join_input_columns, join_output_rows
 from cascadia.model.llama import LlamaLayerWeights
 
 Node = ov.Node
@@ -69,6 +70,7 @@ def _layer(
     past_v: Node,
     attention_fmt: WeightFormat,
     expert_fmt: WeightFormat | None,
+    dense_ffn: str = "experts",
 ) -> tuple[Node, Node, list[Node]]:
     """One layer's nodes: (new keys, new values, [hidden_out] or the expert graph's inputs)."""
     i = layer.index
@@ -95,6 +97,12 @@ def _layer(
     residual = ops.add(hidden, linear(context, layer.o_proj, attention_fmt, f"l{i}.o"))
     mlp_input = rms_norm(residual, layer.post_attention_norm, eps)
 
+    if dense_ffn == "matmul" and expert_fmt is not None:
+        bank = layer.experts
+        gate = linear(mlp_input, join_output_rows(bank.gate), expert_fmt, f"l{i}.gate")
+        up = linear(mlp_input, join_output_rows(bank.up), expert_fmt, f"l{i}.up")
+        down = linear(ops.multiply(graphs.swish(gate), up), join_input_columns(bank.down), expert_fmt, f"l{i}.down")
+        return keys_new, v, [ops.add(residual, down)]
     index, weight = graphs._routing(shape, layer, mlp_input)
     if expert_fmt is None:
         return keys_new, v, [residual, mlp_input, index, weight]
@@ -127,7 +135,11 @@ def layer_graph(
 
 
 def stage_graph(
-    shape: ModelShape, layers: Sequence[LlamaLayerWeights], attention_fmt: WeightFormat, expert_fmt: WeightFormat
+    shape: ModelShape,
+    layers: Sequence[LlamaLayerWeights],
+    attention_fmt: WeightFormat,
+    expert_fmt: WeightFormat,
+    dense_ffn: str = "experts",
 ) -> ov.Model:
     """Every layer of a stage in one model: one call per step instead of one per layer.
 
@@ -143,7 +155,7 @@ def stage_graph(
         past_k = _param(f"past_k_{n}", [-1, -1, a.num_kv_heads, a.head_dim])
         past_v = _param(f"past_v_{n}", [-1, -1, a.num_kv_heads, a.head_dim])
         params += [past_k, past_v]
-        keys, values, (x,) = _layer(shape, layer, x, shared, past_k, past_v, attention_fmt, expert_fmt)
+        keys, values, (x,) = _layer(shape, layer, x, shared, past_k, past_v, attention_fmt, expert_fmt, dense_ffn)
         results += [_named(keys, f"new_k_{n}"), _named(values, f"new_v_{n}"), _named(x, f"layer_out_{n}")]
     results.append(_named(ops.convert(x, "f32"), "hidden_out"))
     return ov.Model([ops.result(n) for n in results], params, "stage_llama")

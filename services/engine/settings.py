@@ -30,6 +30,9 @@ class EngineSettings:
     # the CPU plugin can quantise activations to int8 in groups for compressed-weight matmuls;
     # 0 keeps them in the compute precision (exact to the dequantised weights)
     activation_quant_group: int = 0
+    # dense FFNs: "experts" runs them as all-active slices through the fused expert kernel (one path
+    # for sparse and dense layers); "matmul" as three plain matmuls, for comparison
+    dense_ffn: Literal["experts", "matmul"] = "experts"
 
     def __post_init__(self) -> None:
         for name in ("expert_weights", "attention_weights", "head_weights"):
@@ -40,6 +43,8 @@ class EngineSettings:
                 raise ValueError(f"{name} '{getattr(self, name)}' is not one of {', '.join(COMPUTE_PRECISIONS)}")
         if not 1 <= self.context <= MAX_CONTEXT:
             raise ValueError(f"context {self.context} must be between 1 and {MAX_CONTEXT} positions")
+        if self.dense_ffn not in ("experts", "matmul"):
+            raise ValueError(f"dense_ffn '{self.dense_ffn}' is not one of experts, matmul")
         if self.rewind_slack < 0:
             raise ValueError(f"rewind_slack must be >= 0, got {self.rewind_slack}")
 

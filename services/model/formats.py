@@ -129,5 +129,24 @@ def split_input_columns(weight: Weight, slices: int) -> Weight:
     return weight.map_blocks(cut)
 
 
+def join_output_rows(weight: Weight) -> Weight:
+    """[slices, N/slices, K] -> [N, K]: undo `split_output_rows`."""
+    if isinstance(weight, np.ndarray):
+        return weight.reshape(-1, *weight.shape[2:])
+    return weight.map_blocks(lambda a: a.reshape(-1, *a.shape[2:]))
+
+
+def join_input_columns(weight: Weight) -> Weight:
+    """[slices, N, K/slices] -> [N, K]: undo `split_input_columns`."""
+
+    def join(a: np.ndarray) -> np.ndarray:
+        moved = np.ascontiguousarray(np.moveaxis(a, 0, 1))  # [N, slices, ...]
+        if isinstance(weight, np.ndarray):
+            return moved.reshape(moved.shape[0], -1)
+        return moved.reshape(moved.shape[0], -1, moved.shape[-1])
+
+    return join(weight) if isinstance(weight, np.ndarray) else weight.map_blocks(join)
+
+
 def as_float(weight: Weight) -> np.ndarray:
     return weight if isinstance(weight, np.ndarray) else dequantize(weight)
