@@ -23,8 +23,8 @@ from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.settings import preset
 from cascadia.engine.weights import stored_bytes
-from cascadia.model.checkpoint import load_stage
 from cascadia.model.config import ModelShape, load_shape
+from cascadia.model.loader import load_stage
 
 PROMPT_TOKENS = 16
 PREFILL_TOKENS = 128
@@ -177,7 +177,7 @@ def measure_dense_layer(model_dir: Path, shape: ModelShape, repeats: int) -> dic
         return None
     layer = load_stage(model_dir, dense[0], dense[0] + 1).layers[0]
     core = ov.Core()
-    config = {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY"}
+    config = {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
     sliced = core.compile_model(graphs.dense_as_experts_graph(shape, layer), "CPU", config).create_infer_request()
     plain = core.compile_model(graphs.dense_mlp_graph(shape, layer), "CPU", config).create_infer_request()
     out: dict[str, Any] = {"layer": dense[0]}
@@ -187,7 +187,9 @@ def measure_dense_layer(model_dir: Path, shape: ModelShape, repeats: int) -> dic
         for name, request in (("expert_slices", sliced), ("plain_dense", plain)):
             request.infer({0: x})
             timings[name] = _median_time(lambda r=request, x=x: [r.infer({0: x}) for _ in range(20)], repeats) / 20
-        np.testing.assert_allclose(sliced.infer({0: x})[0], plain.infer({0: x})[0], rtol=1e-4, atol=1e-4)
+        expected = plain.infer({0: x})[0]
+        # the two paths sum in different orders: compare against the output's own scale
+        np.testing.assert_allclose(sliced.infer({0: x})[0], expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
         out[f"rows_{rows}_ms"] = {k: v * 1e3 for k, v in timings.items()}
     return out
 

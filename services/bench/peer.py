@@ -137,6 +137,12 @@ def run_peer_bench(config: PeerBenchConfig, console: Console) -> dict[str, Any]:
         with console.status(name):
             summary["results"][name] = _measure_engine(config, prompt_ids, dense)
         console.print(f"{name}: {summary['results'][name]}")
+    with console.status("one dense FFN call both ways"):
+        from cascadia.bench.engine import measure_dense_layer
+        from cascadia.model.loader import load_shape
+
+        summary["dense_call"] = measure_dense_layer(config.model, load_shape(config.model), config.repeats)
+    console.print(f"dense FFN call: {summary['dense_call']}")
     if config.shards:
         summary["results"][f"fleet-{config.shards}"] = _run_fleet(config, prompt_ids, console)
     genai = summary["results"]["genai"]

@@ -19,7 +19,7 @@ from openvino.utils.node_factory import NodeFactory
 from cascadia.engine.weights import Quantized, Weight, WeightFormat, weight_node
 from cascadia.model.checkpoint import LayerWeights
 from cascadia.model.config import ModelShape
-from cascadia.model.formats import as_float
+from cascadia.model.formats import as_float, join_input_columns, join_output_rows
 
 Node = ov.Node
 _OPSET4 = NodeFactory("opset4")
@@ -319,9 +319,7 @@ def dense_mlp_graph(shape: ModelShape, layer: LayerWeights) -> ov.Model:
     h = shape.hidden_size
     x = _param("mlp_input", [-1, h])
     bank = layer.experts
-    gate = bank.gate.reshape(-1, h)
-    up = bank.up.reshape(-1, h)
-    down = np.ascontiguousarray(bank.down.transpose(1, 0, 2).reshape(h, -1))
+    gate, up, down = join_output_rows(bank.gate), join_output_rows(bank.up), join_input_columns(bank.down)
     act = ops.multiply(swish(linear(x, gate, "f32", "gate")), linear(x, up, "f32", "up"))
     out = ops.multiply(linear(act, down, "f32", "down"), _f32(layer.dense_scale))
     return ov.Model([ops.result(out)], [x], "dense_mlp")
