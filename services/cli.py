@@ -19,6 +19,7 @@ app.add_typer(model_app, name="model")
 app.add_typer(bench_app, name="bench")
 err = Console(stderr=True, soft_wrap=True)
 MODEL_HELP = "Checkpoint directory, .gguf file or packaged model (smollm2-135m)"
+DEFAULT_MAX_DRAFT = 7  # a verify block of 8 rows fills one pipeline group
 
 
 def fail(message: str) -> typer.Exit:
@@ -122,8 +123,6 @@ def generate(
         raise fail(f"--precision '{precision}' is not one of {', '.join(PRECISION_PRESETS)}")
     if speculation not in ("on", "off"):
         raise fail(f"--speculation '{speculation}' is not one of on, off")
-    if speculation == "on":
-        raise fail("--speculation on: speculative decoding is not available in this build")
     model_dir = resolve_model(model)
     codec = _text_codec(model_dir)
     from cascadia.model.loader import load_shape
@@ -151,7 +150,7 @@ def generate(
         raise fail(str(exc)) from None
     if len(ids) + max_tokens > settings.context and any(a.kind == "global" for a in shape.attention):
         raise fail(f"prompt of {len(ids)} tokens + {max_tokens} new tokens exceeds --context {settings.context}")
-    if shards == 1:
+    if shards == 1 and speculation == "off":
         result = run(load_engine(model_dir, settings), ids, params)
     else:
         from cascadia.router.local import local_ranges
@@ -160,7 +159,7 @@ def generate(
             local_ranges(model_dir, shards)
         except ValueError as exc:
             raise fail(str(exc)) from None
-        result = _generate_on_fleet(model_dir, shards, precision, ids, params)
+        result = _generate_on_fleet(model_dir, shards, precision, ids, params, speculation == "on")
     text = codec.decode(result.token_ids) if codec is not None else ""
     if as_json:
         line = {
@@ -178,7 +177,7 @@ def generate(
         )
 
 
-def _generate_on_fleet(model_dir: Path, shards: int, precision: str, ids: list[int], params):
+def _generate_on_fleet(model_dir: Path, shards: int, precision: str, ids: list[int], params, speculate: bool):
     import asyncio
     import time
 
@@ -190,7 +189,8 @@ def _generate_on_fleet(model_dir: Path, shards: int, precision: str, ids: list[i
     fleet = LocalFleet(model_dir, shards, precision)
 
     async def go() -> Generation:
-        driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, SchedulerConfig(stages=shards))
+        config = SchedulerConfig(stages=shards, max_draft=DEFAULT_MAX_DRAFT if speculate else 0)
+        driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, config, proposer=_proposer("local"))
         await driver.start()
         try:
             with err.status(f"starting {shards} shards"):
@@ -289,8 +289,14 @@ def router(
     max_streams: Annotated[int, typer.Option(min=1)] = 176,
     max_queue: Annotated[int, typer.Option(min=0)] = 1024,
     frame_timeout: Annotated[float, typer.Option(min=0.1, help="Seconds before a frame counts as lost.")] = 30.0,
+    max_draft: Annotated[
+        int, typer.Option(min=0, max=31, help="Drafted tokens per speculative round (0: no speculation).")
+    ] = 0,
+    draft: Annotated[
+        str, typer.Option(help="Where drafts come from: 'local' (in this process) or a draft service address.")
+    ] = "local",
 ) -> None:
-    """Admission, pipeline groups and sampling parameters over a chain of shards."""
+    """Admission, pipeline groups, sampling parameters and speculative rounds over a chain of shards."""
     import logging
 
     from cascadia.router.pipeline import PipelineDriver
@@ -301,10 +307,48 @@ def router(
     addrs = [a for a in stages.split(",") if a]
     if not addrs:
         raise fail("--stages is empty")
-    config = SchedulerConfig(len(addrs), rows_per_group, prefill_window, max_streams, max_queue)
-    driver = PipelineDriver(addrs, collect, config, frame_timeout)
+    if max_draft >= rows_per_group:
+        raise fail(f"--max-draft {max_draft} must be below --rows-per-group {rows_per_group}")
+    config = SchedulerConfig(len(addrs), rows_per_group, prefill_window, max_streams, max_queue, max_draft)
+    driver = PipelineDriver(addrs, collect, config, frame_timeout, _proposer(draft) if max_draft else None)
 
     run_until_signal(serve(driver, listen))
+
+
+def _proposer(draft: str):
+    from cascadia.draft.client import DraftClient, LocalProposer
+
+    return LocalProposer() if draft == "local" else DraftClient(draft)
+
+
+@app.command("draft")
+def draft_command(
+    listen: Annotated[str, typer.Option(help="Address of the draft service, e.g. 127.0.0.1:7100.")],
+    redis_url: Annotated[
+        str | None, typer.Option("--redis", help="Redis URL of the shared-context index (none: local sources only).")
+    ] = None,
+    trust: Annotated[float, typer.Option(min=0.0, max=1.0, help="Agreement a shared context needs.")] = 0.9,
+    warmup: Annotated[int, typer.Option(min=0, help="Proposals from a shared context before trust applies.")] = 16,
+    ngram: Annotated[int, typer.Option(min=1, help="Suffix length matched in shared contexts.")] = 4,
+    ttl: Annotated[int, typer.Option(min=1, help="Seconds a shared context is kept.")] = 3600,
+) -> None:
+    """The draft service: request-local suffix matches and shared contexts in Redis."""
+    import logging
+
+    from cascadia.draft.proposer import HybridProposer
+    from cascadia.draft.service import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    shared = None
+    if redis_url:
+        from cascadia.draft.shared import RedisContexts
+
+        shared = RedisContexts(redis_url, ngram=ngram, ttl_s=ttl, trust=trust, warmup=warmup)
+        if not shared.available:
+            err.print(f"Redis at {redis_url} is not answering: local proposals until it does")
+    else:
+        err.print("no --redis: proposing from each request's own tokens only")
+    run_until_signal(serve(HybridProposer(shared=shared, shared_ngram=ngram), listen))
 
 
 # Options the gateway and `up` share, spelled once.

@@ -217,6 +217,7 @@ class Gateway:
             body.stop_strings,
             self.metrics,
             wants_logprobs=logprobs,
+            speculation=body.speculation is not False,
         )
 
 

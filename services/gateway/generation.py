@@ -39,6 +39,7 @@ class Generation:
     stops: list[str]
     metrics: GatewayMetrics
     wants_logprobs: bool = False
+    speculation: bool = True
     arrived: float = field(default_factory=time.perf_counter)
     completion_tokens: int = 0
     text: str = ""
@@ -60,7 +61,7 @@ class Generation:
     async def deltas(self) -> AsyncIterator[Delta]:
         detokenizer = IncrementalDetokenizer(self.codec)
         matcher = StopMatcher(self.stops)
-        self._call = self.router.generate(self.request_id, self.prompt, self.params)
+        self._call = self.router.generate(self.request_id, self.prompt, self.params, self.speculation)
         last = None
         try:
             async for event in self.router.events(self._call):

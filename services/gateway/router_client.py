@@ -61,7 +61,9 @@ class RouterClient:
             await self._channel.close()
             self._channel = None
 
-    def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> grpc.aio.UnaryStreamCall:
+    def generate(
+        self, request_id: str, prompt: list[int], params: SamplingParams, speculation: bool = True
+    ) -> grpc.aio.UnaryStreamCall:
         sampling = sampling_message(params)
         message = pb.GenerateRequest(
             request_id=request_id,
@@ -69,6 +71,7 @@ class RouterClient:
             sampling=sampling,
             max_tokens=params.max_tokens,
             stop_ids=sorted(params.stop_ids),
+            speculation_off=not speculation,
         )
         return self.stub.Generate(message)
 

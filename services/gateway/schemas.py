@@ -36,6 +36,9 @@ class SamplingFields(Strict):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     user: str | None = None
+    speculation: bool | None = Field(
+        None, description="Extension: false decodes this request without drafted tokens; default: the router's."
+    )
 
     @property
     def stop_strings(self) -> list[str]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cascadia.draft.client import Proposer
 from cascadia.router.scheduler import Emitted, Frame, Request, Scheduler, SchedulerConfig
 from cascadia.shard.service import CHANNEL_OPTIONS, pb, rpc
 from cascadia.wire import sampling_message
@@ -49,8 +50,17 @@ class _Collector(rpc.CollectorServicer):
 
 
 class PipelineDriver:
-    def __init__(self, stage_addrs: Sequence[str], listen: str, config: SchedulerConfig, frame_timeout: float = 30.0):
+    def __init__(
+        self,
+        stage_addrs: Sequence[str],
+        listen: str,
+        config: SchedulerConfig,
+        frame_timeout: float = 30.0,
+        proposer: Proposer | None = None,
+    ):
         self.stage_addrs = list(stage_addrs)
+        self.proposer = proposer  # drafts for speculative rounds (config.max_draft > 0)
+        self.spec_stats = {"rounds": 0, "proposed": 0, "accepted": 0}
         self.listen = listen
         self.scheduler = Scheduler(config)
         self.frame_timeout = frame_timeout
@@ -103,6 +113,8 @@ class PipelineDriver:
             await asyncio.wait(list(self._tasks), timeout=2)
         for channel in self._channels:
             await channel.close()
+        if self.proposer is not None:
+            await self.proposer.close()
         if self._server:
             await self._server.stop(grace=1)
 
@@ -130,6 +142,8 @@ class PipelineDriver:
     async def cancel(self, request_id: str) -> None:
         if self.scheduler.cancel(request_id):
             self._closes.append(request_id)
+        if self.proposer is not None:
+            self._spawn(self.proposer.forget(request_id, share=False))
         pending = self._pending.get(request_id)
         if pending and not pending.done.is_set():
             pending.error = "cancelled"
@@ -146,10 +160,22 @@ class PipelineDriver:
             self._closes.extend(failed)  # the other stages still hold their state
             self._fail(failed, result.error)
         else:
-            sampled = {t.stream: t for t in result.tokens}
-            for event in self.scheduler.on_frame_done(result.frame_id, {s: t.token for s, t in sampled.items()}):
-                self._emit(event, sampled[event.stream])
-        task = asyncio.get_running_loop().create_task(self.pump())
+            sampled: dict[str, list] = {}
+            for t in result.tokens:  # a verified block returns several tokens, in order
+                sampled.setdefault(t.stream, []).append(t)
+            tokens = {s: [t.token for t in ts] for s, ts in sampled.items()}
+            for event in self.scheduler.on_frame_done(result.frame_id, tokens):
+                self._emit(event, sampled[event.stream].pop(0))
+            for v in self.scheduler.verified:
+                self.spec_stats["rounds"] += 1
+                self.spec_stats["proposed"] += v.proposed
+                self.spec_stats["accepted"] += v.accepted
+                if self.proposer is not None:
+                    self._spawn(self.proposer.observe(v.stream, v.source, v.proposed, v.accepted))
+        self._spawn(self.pump())
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -168,6 +194,8 @@ class PipelineDriver:
             self._closes.append(event.stream)
             pending.done.set()
             pending.events.put_nowait(None)
+            if self.proposer is not None:
+                self._spawn(self.proposer.forget(event.stream, share=True))
 
     def _fail(self, streams: list[str], error: str) -> None:
         for stream in streams:
@@ -178,6 +206,12 @@ class PipelineDriver:
                 pending.events.put_nowait(None)
 
     async def pump(self) -> None:
+        if self.proposer is not None:
+            wanted = self.scheduler.drafts_wanted()
+            if wanted:
+                proposals = await asyncio.gather(*(self.proposer.propose(w.stream, w.context, w.k) for w in wanted))
+                for w, (tokens, source) in zip(wanted, proposals, strict=True):
+                    self.scheduler.set_draft(w.stream, tokens[: w.k], source)
         frames = self.scheduler.next_frames()
         if not frames and self._closes:
             await self._submit(pb.Frame(frame_id=CLOSE_ONLY_FRAME, closes=self._take_closes()), None)
@@ -196,9 +230,16 @@ class PipelineDriver:
                 sampling = sampling_message(params)
                 out.opens.append(pb.StreamOpen(stream=row.stream, sampling=sampling))
             out.rows.append(
-                pb.RowBlock(stream=row.stream, start=row.start, length=len(row.tokens), wants_token=row.wants_token)
+                pb.RowBlock(
+                    stream=row.stream,
+                    start=row.start,
+                    length=len(row.tokens),
+                    wants_token=row.wants_token,
+                    draft=row.draft,
+                )
             )
             out.token_ids.extend(row.tokens)
+        out.rewinds.extend(pb.Rewind(stream=stream, position=position) for stream, position in frame.rewinds)
         out.closes.extend(self._take_closes())
         return out
 

@@ -4,11 +4,16 @@ A frame is one batch that travels the whole chain of stages: decode rows and pre
 several streams. At most one frame per stage is in flight, so every stage can work at once, and a
 stream is in at most one frame (its next row depends on the token the last one returns). Decode
 rows go first, prefill windows fill what room is left, so a long prompt never stalls decoding.
+
+Speculation: a decoding stream may carry drafted tokens after its last token; the whole block is
+verified on the last stage, which returns the accepted drafts and one token of its own. Positions
+past the accepted ones are rewound on every stage by the stream's next frame.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -28,6 +33,7 @@ class SchedulerConfig:
     prefill_window: int = 8
     max_streams: int = 176  # streams holding state on the chain at once
     max_queue: int = 1024  # requests waiting for admission
+    max_draft: int = 0  # drafted tokens per verify block (0: no speculation); within the stages' rewind slack
 
     def __post_init__(self) -> None:
         for name in ("stages", "rows_per_group", "prefill_window", "max_streams"):
@@ -35,6 +41,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if not 0 <= self.max_draft < self.rows_per_group:
+            raise ValueError(f"max_draft must be in [0, {self.rows_per_group}), got {self.max_draft}")
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,7 @@ class Request:
     id: RequestId
     prompt: tuple[int, ...]
     params: SamplingParams
+    speculate: bool = True  # drafts may be verified for this request (when the router speculates)
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -57,12 +66,14 @@ class Row:
     tokens: tuple[int, ...]
     wants_token: bool  # the last row's token is sampled and sent back
     opens: bool  # first frame of the stream: stages open its state
+    draft: tuple[int, ...] = ()  # drafted tokens: the last len(draft) of `tokens`, verified on the last stage
 
 
 @dataclass(frozen=True)
 class Frame:
     id: int
     rows: tuple[Row, ...]
+    rewinds: tuple[tuple[RequestId, int], ...] = ()  # (stream, position) applied before the rows
 
     @property
     def size(self) -> int:
@@ -83,10 +94,50 @@ class _Stream:
     generated: list[int] = field(default_factory=list)
     busy: bool = False
     opened: bool = False
+    draft: tuple[int, ...] = ()  # proposed continuation for the next decode row
+    draft_source: str = ""
+    rewind_to: int | None = None  # positions from here on were rejected drafts
+    accepted_ema: float = 1.0  # accepted drafts per verify round, smoothed
 
     @property
     def prefilling(self) -> bool:
         return self.position < len(self.request.prompt)
+
+
+@dataclass(frozen=True)
+class DraftWanted:
+    stream: RequestId
+    context: tuple[int, ...]  # prompt and generated tokens so far
+    k: int  # drafted tokens the next decode row has room for
+
+
+@dataclass(frozen=True)
+class Verified:
+    stream: RequestId
+    source: str
+    proposed: int
+    accepted: int
+
+
+def speculable(request: Request) -> bool:
+    """Penalties depend on every sampled token and a seed promises the same sample path on every run:
+    neither survives verifying drafts, so those requests decode one token at a time."""
+    params = request.params
+    seeded_sampling = params.temperature > 0 and params.seed is not None
+    return request.speculate and not params.penalised and not seeded_sampling
+
+
+def draft_length(decoding: int, rows_per_group: int, max_draft: int, accepted_ema: float) -> int:
+    """Drafted tokens for one stream's next row: none once decode rows fill the groups, fewer after misses.
+
+    Speculation pays for lone streams and light load: a verify block of k + 1 rows must share its
+    group with the other decoding streams' rows, so with n of them only rows_per_group // n - 1 fit.
+    """
+    if max_draft == 0 or decoding == 0:
+        return 0
+    room = rows_per_group // decoding - 1
+    adaptive = int(2 * accepted_ema) + 1
+    return max(0, min(max_draft, room, adaptive))
 
 
 class Scheduler:
@@ -97,6 +148,7 @@ class Scheduler:
         self._in_flight: dict[int, Frame] = {}
         self._next_frame = 0
         self._chain_ready = False
+        self.verified: list[Verified] = []  # the last on_frame_done's verify outcomes, for the proposer
 
     # -- inputs -----------------------------------------------------------------------------------
 
@@ -119,10 +171,11 @@ class Scheduler:
         stream = self._active.pop(request_id, None)
         return stream is not None and stream.opened
 
-    def on_frame_done(self, frame_id: int, tokens: dict[RequestId, int]) -> list[Emitted]:
-        """The last stage's sampled tokens for a frame; returns what each stream emitted."""
+    def on_frame_done(self, frame_id: int, tokens: dict[RequestId, int | Sequence[int]]) -> list[Emitted]:
+        """The last stage's tokens for a frame (several for a verified block); returns what each stream emitted."""
         frame = self._in_flight.pop(frame_id)
         emitted = []
+        self.verified = []
         for row in frame.rows:
             stream = self._active.get(row.stream)
             if stream is None:  # cancelled while in flight
@@ -132,17 +185,29 @@ class Scheduler:
                 continue
             if row.stream not in tokens:
                 raise ValueError(f"frame {frame_id}: no token for stream {row.stream}")
-            token = tokens[row.stream]
-            stream.generated.append(token)
+            got = tokens[row.stream]
+            got = [got] if isinstance(got, int) else list(got)
+            if not 1 <= len(got) <= len(row.draft) + 1 or got[:-1] != list(row.draft[: len(got) - 1]):
+                raise ValueError(f"frame {frame_id}: stream {row.stream} returned {got} for draft {row.draft}")
+            if row.draft:
+                accepted = len(got) - 1
+                self.verified.append(Verified(row.stream, stream.draft_source, len(row.draft), accepted))
+                stream.accepted_ema = 0.5 * stream.accepted_ema + 0.5 * accepted
+                if accepted < len(row.draft):  # the stages hold the rejected drafts' positions too
+                    stream.position = row.start + accepted + 1
+                    stream.rewind_to = stream.position
             params = stream.request.params
-            finished: Literal["stop", "length"] | None = None
-            if token in params.stop_ids:
-                finished = "stop"
-            elif len(stream.generated) >= params.max_tokens:
-                finished = "length"
-            if finished:
-                del self._active[row.stream]
-            emitted.append(Emitted(row.stream, token, finished))
+            for token in got:
+                stream.generated.append(token)
+                finished: Literal["stop", "length"] | None = None
+                if token in params.stop_ids:
+                    finished = "stop"
+                elif len(stream.generated) >= params.max_tokens:
+                    finished = "length"
+                emitted.append(Emitted(row.stream, token, finished))
+                if finished:
+                    del self._active[row.stream]
+                    break
         return emitted
 
     def on_frame_failed(self, frame_id: int) -> list[RequestId]:
@@ -154,6 +219,31 @@ class Scheduler:
         for stream in failed:
             del self._active[stream]
         return failed
+
+    # -- drafts -----------------------------------------------------------------------------------
+
+    def drafts_wanted(self) -> list[DraftWanted]:
+        """Decoding streams that are free and would carry a draft in their next row, with its length."""
+        if self.config.max_draft == 0:
+            return []
+        decoding = [s for s in self._active.values() if s.opened and not s.prefilling and s.generated]
+        wanted = []
+        for stream in decoding:
+            if stream.busy or stream.draft or not speculable(stream.request):
+                continue
+            left = stream.request.params.max_tokens - len(stream.generated)
+            k = min(
+                draft_length(len(decoding), self.config.rows_per_group, self.config.max_draft, stream.accepted_ema),
+                left - 1,
+            )
+            if k > 0:
+                wanted.append(DraftWanted(stream.request.id, stream.request.prompt + tuple(stream.generated), k))
+        return wanted
+
+    def set_draft(self, stream_id: RequestId, tokens: Sequence[int], source: str = "") -> None:
+        stream = self._active.get(stream_id)
+        if stream is not None and not stream.busy:
+            stream.draft, stream.draft_source = tuple(int(t) for t in tokens), source
 
     # -- decisions --------------------------------------------------------------------------------
 
@@ -179,12 +269,18 @@ class Scheduler:
     def _build_frame(self) -> Frame | None:
         budget = self.config.rows_per_group
         rows: list[Row] = []
+        rewinds: list[tuple[RequestId, int]] = []
         ready = [s for s in self._active.values() if not s.busy]
         for stream in [s for s in ready if not s.prefilling]:  # decode rows first
             if budget == 0:
                 break
-            rows.append(Row(stream.request.id, stream.position, (stream.generated[-1],), True, False))
-            budget -= 1
+            draft = stream.draft[: budget - 1]
+            stream.draft = ()
+            rows.append(Row(stream.request.id, stream.position, (stream.generated[-1], *draft), True, False, draft))
+            if stream.rewind_to is not None:
+                rewinds.append((stream.request.id, stream.rewind_to))
+                stream.rewind_to = None
+            budget -= 1 + len(draft)
         for stream in [s for s in ready if s.prefilling]:
             if budget == 0:
                 break
@@ -207,7 +303,7 @@ class Scheduler:
             stream = self._active[row.stream]
             stream.busy, stream.opened = True, True
             stream.position += len(row.tokens)
-        frame = Frame(self._next_frame, tuple(rows))
+        frame = Frame(self._next_frame, tuple(rows), tuple(rewinds))
         self._next_frame += 1
         return frame
 

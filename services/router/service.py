@@ -26,7 +26,9 @@ class RouterServicer(rpc.RouterServicer):
         try:
             params = sampling_params(request.sampling, request.max_tokens or 16, frozenset(request.stop_ids))
             rid = request.request_id or f"req-{next(self._ids)}"
-            pending = await self.driver.submit(Request(rid, tuple(request.prompt_ids), params))
+            pending = await self.driver.submit(
+                Request(rid, tuple(request.prompt_ids), params, speculate=not request.speculation_off)
+            )
         except Overloaded as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except ValueError as exc:
@@ -58,6 +60,9 @@ class RouterServicer(rpc.RouterServicer):
             queued_requests=s.queued,
             frames_in_flight=s.in_flight,
             stage_serving=await self.driver.stage_health(),
+            verify_rounds=self.driver.spec_stats["rounds"],
+            drafted_tokens=self.driver.spec_stats["proposed"],
+            accepted_tokens=self.driver.spec_stats["accepted"],
         )
 
 

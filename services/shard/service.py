@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.sampling import SamplingParams, apply_penalties, choose, log_softmax
+from cascadia.engine.speculation import accept_draft
 from cascadia.protos import load
 from cascadia.wire import sampling_params
 
@@ -66,6 +67,11 @@ def check_frame(frame, expected: dict[str, int], is_first: bool, hidden_size: in
         seen.add(block.stream)
         if block.length < 1:
             raise FrameRejected(f"stream '{block.stream}': empty row block")
+        if block.draft and (len(block.draft) >= block.length or not block.wants_token):
+            raise FrameRejected(
+                f"stream '{block.stream}': {len(block.draft)} drafted tokens in a block of {block.length} rows"
+                + ("" if block.wants_token else " that wants no token")
+            )
         if block.start != after[block.stream]:
             raise FrameRejected(
                 f"stream '{block.stream}': position gap, rows start at {block.start} but the stream is at "
@@ -165,8 +171,8 @@ class ShardServicer(rpc.ShardServicer):
             wanted, offset = [], 0
             for block in frame.rows:
                 offset += block.length
-                if block.wants_token:
-                    wanted.append(offset - 1)
+                if block.wants_token:  # a verified block needs every drafted position's logits too
+                    wanted.extend(range(offset - 1 - len(block.draft), offset))
             step = engine.step(segments, inputs, np.array(wanted, dtype=np.int64) if engine.is_last else None)
             if engine.is_last:
                 result = self._sample(frame, step.logits)
@@ -194,6 +200,13 @@ class ShardServicer(rpc.ShardServicer):
                 continue
             sampler = self.samplers[block.stream]
             params = sampler.params
+            if block.draft:
+                rows = logits[k : k + len(block.draft) + 1]
+                k += len(block.draft) + 1
+                tokens = accept_draft(rows, list(block.draft), params, sampler.rng)
+                for row, token in zip(rows, tokens, strict=False):
+                    result.tokens.append(self._sampled(block.stream, row, token, params))
+                continue
             row = logits[k]
             k += 1
             if params.penalised:
@@ -203,13 +216,17 @@ class ShardServicer(rpc.ShardServicer):
             token = choose(row, params, sampler.rng)
             if sampler.counts is not None:
                 sampler.counts[token] += 1
-            logprobs = log_softmax(row)
-            sampled = pb.SampledToken(stream=block.stream, token=token, logprob=float(logprobs[token]))
-            if params.top_logprobs:
-                best = np.argsort(-logprobs, kind="stable")[: params.top_logprobs]
-                sampled.top.extend(pb.TopLogprob(token=int(t), logprob=float(logprobs[t])) for t in best)
-            result.tokens.append(sampled)
+            result.tokens.append(self._sampled(block.stream, row, token, params))
         return result
+
+    @staticmethod
+    def _sampled(stream: str, row: np.ndarray, token: int, params: SamplingParams):
+        logprobs = log_softmax(row)
+        sampled = pb.SampledToken(stream=stream, token=token, logprob=float(logprobs[token]))
+        if params.top_logprobs:
+            best = np.argsort(-logprobs, kind="stable")[: params.top_logprobs]
+            sampled.top.extend(pb.TopLogprob(token=int(t), logprob=float(logprobs[t])) for t in best)
+        return sampled
 
     async def _pass_on(self, out) -> None:
         try:

@@ -1,0 +1,88 @@
+"""How the router reaches a proposer: in-process, or the `cascadia draft` service over gRPC."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Protocol
+
+import grpc
+
+from cascadia.draft.proposer import HybridProposer
+from cascadia.protos import load
+
+pb, rpc = load()
+log = logging.getLogger("cascadia.router")
+
+
+class Proposer(Protocol):
+    async def propose(self, stream: str, context: Sequence[int], k: int) -> tuple[list[int], str]: ...
+    async def observe(self, stream: str, source: str, proposed: int, accepted: int) -> None: ...
+    async def forget(self, stream: str, share: bool) -> None: ...
+    async def close(self) -> None: ...
+
+
+class LocalProposer:
+    """The hybrid proposer in the router's own process (request-local sources unless given more)."""
+
+    def __init__(self, proposer: HybridProposer | None = None) -> None:
+        self.proposer = proposer or HybridProposer()
+
+    async def propose(self, stream: str, context: Sequence[int], k: int) -> tuple[list[int], str]:
+        self.proposer.append(stream, context[self.proposer.known(stream) :])
+        return self.proposer.propose(stream, k)
+
+    async def observe(self, stream: str, source: str, proposed: int, accepted: int) -> None:
+        self.proposer.observe(source, proposed, accepted)
+
+    async def forget(self, stream: str, share: bool) -> None:
+        self.proposer.forget(stream, share)
+
+    async def close(self) -> None:
+        return None
+
+
+class DraftClient:
+    """The draft service; any failure means no draft this round (speculation is only ever an optimisation)."""
+
+    def __init__(self, address: str, timeout: float = 0.5) -> None:
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = rpc.DraftStub(self.channel)
+        self.timeout = timeout
+        self._sent: dict[str, int] = {}
+        self._warned = False
+
+    async def propose(self, stream: str, context: Sequence[int], k: int) -> tuple[list[int], str]:
+        known = self._sent.get(stream, 0)
+        if known > len(context):
+            known = 0
+        request = pb.ProposeRequest(stream=stream, known=known, tokens=list(context[known:]), k=k)
+        try:
+            reply = await self.stub.Propose(request, timeout=self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            self._sent.pop(stream, None)
+            if not self._warned:
+                log.warning("draft service unavailable, decoding without drafts: %s", exc.code().name)
+                self._warned = True
+            return [], ""
+        self._warned = False
+        if reply.have != len(context):
+            self._sent.pop(stream, None)  # resend everything next round
+            return [], ""
+        self._sent[stream] = reply.have
+        return list(reply.tokens), reply.source
+
+    async def observe(self, stream: str, source: str, proposed: int, accepted: int) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self.stub.Observe(
+                pb.Observation(stream=stream, source=source, proposed=proposed, accepted=accepted), timeout=self.timeout
+            )
+
+    async def forget(self, stream: str, share: bool) -> None:
+        self._sent.pop(stream, None)
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self.stub.Forget(pb.ForgetRequest(stream=stream, share=share), timeout=self.timeout)
+
+    async def close(self) -> None:
+        await self.channel.close()
