@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: setup setup-kube check run test lint bench format
+.PHONY: setup setup-kube setup-services check run test lint bench format
 
 setup:
 	# torch 2.13.0 is the CPU build on this disk; a newer one would pull CUDA wheels
@@ -15,8 +15,12 @@ setup:
 setup-kube:
 	.ci/kube-build
 
+# redis-server for the shared-context index (the draft service's tests start their own; root, apt)
+setup-services:
+	command -v redis-server >/dev/null || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server)
+
 # everything from a fresh machine: what CI runs
-check: setup setup-kube lint test
+check: setup setup-kube setup-services lint test
 
 # SmolLM2-135M across 3 local shard processes, router and gateway: the OpenAI API on :8000 until Ctrl-C
 run:

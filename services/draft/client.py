@@ -47,8 +47,8 @@ class DraftClient:
     """The draft service; any failure means no draft this round (speculation is only ever an optimisation)."""
 
     def __init__(self, address: str, timeout: float = 0.5) -> None:
-        self.channel = grpc.aio.insecure_channel(address)
-        self.stub = rpc.DraftStub(self.channel)
+        self.address = address
+        self._channel: grpc.aio.Channel | None = None  # made in the event loop that uses it
         self.timeout = timeout
         self._sent: dict[str, int] = {}
         self._warned = False
@@ -84,5 +84,12 @@ class DraftClient:
         with contextlib.suppress(grpc.aio.AioRpcError):
             await self.stub.Forget(pb.ForgetRequest(stream=stream, share=share), timeout=self.timeout)
 
+    @property
+    def stub(self):
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self.address)
+        return rpc.DraftStub(self._channel)
+
     async def close(self) -> None:
-        await self.channel.close()
+        if self._channel is not None:
+            await self._channel.close()

@@ -208,10 +208,13 @@ class PipelineDriver:
     async def pump(self) -> None:
         if self.proposer is not None:
             wanted = self.scheduler.drafts_wanted()
-            if wanted:
+            try:
                 proposals = await asyncio.gather(*(self.proposer.propose(w.stream, w.context, w.k) for w in wanted))
-                for w, (tokens, source) in zip(wanted, proposals, strict=True):
-                    self.scheduler.set_draft(w.stream, tokens[: w.k], source)
+            except Exception:  # a draft is only ever an optimisation: decode without one
+                log.exception("the proposer failed; this round goes without drafts")
+                proposals = [([], "")] * len(wanted)
+            for w, (tokens, source) in zip(wanted, proposals, strict=True):
+                self.scheduler.set_draft(w.stream, tokens[: w.k], source)
         frames = self.scheduler.next_frames()
         if not frames and self._closes:
             await self._submit(pb.Frame(frame_id=CLOSE_ONLY_FRAME, closes=self._take_closes()), None)

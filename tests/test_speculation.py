@@ -1,0 +1,344 @@
+"""Speculative decoding: acceptance rules, the suffix automaton, the scheduler's verify rounds, the draft
+service with a real Redis, and greedy identity with speculation on and off across real shard processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cascadia.draft.suffix import SuffixAutomaton
+from cascadia.engine.batch import Segment
+from cascadia.engine.engine import StageEngine
+from cascadia.engine.generate import generate
+from cascadia.engine.sampling import SamplingParams, filtered_probabilities
+from cascadia.engine.settings import EngineSettings
+from cascadia.engine.speculation import accept_draft
+from cascadia.model.loader import load_shape, load_stage
+from cascadia.router.local import free_port
+from cascadia.router.scheduler import Request, Scheduler, SchedulerConfig, draft_length
+
+# -- acceptance -------------------------------------------------------------------------------------
+
+
+def test_greedy_acceptance_keeps_matching_drafts_then_adds_the_models_token():
+    logits = np.full((4, 6), -1.0)
+    for row, best in enumerate([2, 5, 1, 3]):
+        logits[row, best] = 1.0
+    greedy = SamplingParams()
+    rng = np.random.default_rng(0)
+    assert accept_draft(logits, [2, 5, 1], greedy, rng) == [2, 5, 1, 3]  # all accepted, plus the bonus token
+    assert accept_draft(logits, [2, 4, 1], greedy, rng) == [2, 5]  # first mismatch: the model's token
+    assert accept_draft(logits[:1], [], greedy, rng) == [2]
+    with pytest.raises(ValueError, match="need 3 rows"):
+        accept_draft(logits, [1, 2], greedy, rng)
+
+
+@pytest.mark.parametrize("draft", [[0], [3], [1, 4]])
+def test_rejection_sampling_leaves_the_output_distributed_as_plain_sampling(draft):
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(len(draft) + 1, 5)) * 1.5
+    params = SamplingParams(temperature=0.8, top_k=4)
+    expected = filtered_probabilities(logits[0], params)
+    n = 40000
+    first = Counter(accept_draft(logits, draft, params, rng)[0] for _ in range(n))
+    observed = np.array([first[t] / n for t in range(5)])
+    # each frequency within 4.5 standard errors of the target probability (and impossible tokens never)
+    tolerance = 4.5 * np.sqrt(expected * (1 - expected) / n) + 1e-9
+    assert np.all(np.abs(observed - expected) <= tolerance), (observed, expected)
+
+
+# -- the suffix automaton -------------------------------------------------------------------------
+
+
+def _brute_force(tokens: list[int]) -> int:
+    """Length of the longest suffix that also ends at an earlier position."""
+    n = len(tokens)
+    for length in range(n - 1, 0, -1):
+        suffix = tokens[n - length :]
+        if any(tokens[end - length + 1 : end + 1] == suffix for end in range(length - 1, n - 1)):
+            return length
+    return 0
+
+
+def test_suffix_automaton_finds_the_longest_earlier_occurrence():
+    rng = np.random.default_rng(2)
+    for _ in range(30):
+        tokens = [int(t) for t in rng.integers(0, 3, size=int(rng.integers(1, 40)))]
+        automaton = SuffixAutomaton()
+        for i, t in enumerate(tokens):
+            automaton.append(t)
+            length, end = automaton.longest_repeat()
+            seen = tokens[: i + 1]
+            assert length == _brute_force(seen)
+            if length:
+                assert end < i and seen[end - length + 1 : end + 1] == seen[i - length + 1 :]
+
+
+def test_suffix_proposal_continues_a_copied_passage():
+    text = [5, 6, 7, 8, 9, 10, 11, 1, 2, 5, 6, 7]
+    length, proposal = SuffixAutomaton(text).propose(4)
+    assert length == 3 and proposal == [8, 9, 10, 11]
+
+
+# -- scheduling of verify rounds (pure) ------------------------------------------------------------
+
+
+def test_draft_length_pays_only_for_light_load_and_follows_acceptance():
+    assert draft_length(1, 8, 7, accepted_ema=3.0) == 7
+    assert draft_length(1, 8, 7, accepted_ema=0.0) == 1  # recent misses: short drafts
+    assert draft_length(4, 8, 7, accepted_ema=3.0) == 1
+    assert draft_length(8, 8, 7, accepted_ema=3.0) == 0  # decode rows fill the group: no speculation
+    assert draft_length(1, 8, 0, accepted_ema=3.0) == 0
+
+
+def test_scheduler_sends_drafts_and_rewinds_the_rejected_positions():
+    s = Scheduler(SchedulerConfig(stages=1, max_draft=3))
+    s.set_chain_ready(True)
+    s.submit(Request("a", (1, 2, 3), SamplingParams(max_tokens=10)))
+    (prefill,) = s.next_frames()
+    s.on_frame_done(prefill.id, {"a": 7})
+    (wanted,) = s.drafts_wanted()
+    assert wanted.context == (1, 2, 3, 7) and wanted.k == 3
+    s.set_draft("a", [8, 9, 4])
+    (verify,) = s.next_frames()
+    assert verify.rows[0].tokens == (7, 8, 9, 4) and verify.rows[0].draft == (8, 9, 4) and verify.rows[0].start == 3
+    # the last stage accepted 8, rejected 9 and chose 5: positions 3 (7) and 4 (8) stand, 5 and 6 go
+    emitted = s.on_frame_done(verify.id, {"a": [8, 5]})
+    assert [e.token for e in emitted] == [8, 5]
+    assert s.verified[0].proposed == 3 and s.verified[0].accepted == 1
+    (next_frame,) = s.next_frames()
+    assert next_frame.rewinds == (("a", 5),)
+    assert next_frame.rows[0].start == 5 and next_frame.rows[0].tokens == (5,)
+    with pytest.raises(ValueError, match="returned"):
+        s.on_frame_done(next_frame.id, {"a": [1, 2]})  # two tokens for a block without a draft
+
+
+def test_penalised_and_seeded_sampling_requests_are_not_speculated():
+    s = Scheduler(SchedulerConfig(stages=1, max_draft=3))
+    s.set_chain_ready(True)
+    for rid, params in (
+        ("penalty", SamplingParams(max_tokens=8, presence_penalty=0.5)),
+        ("seeded", SamplingParams(max_tokens=8, temperature=0.7, seed=3)),
+        ("greedy-seed", SamplingParams(max_tokens=8, seed=3)),
+    ):
+        s.submit(Request(rid, (1, 2), params))
+    (frame,) = s.next_frames()
+    s.on_frame_done(frame.id, {"penalty": 4, "seeded": 4, "greedy-seed": 4})
+    assert [w.stream for w in s.drafts_wanted()] == ["greedy-seed"]
+
+
+# -- a rejected draft leaves no trace in the engine ------------------------------------------------
+
+
+def test_rewinding_a_rejected_draft_restores_the_state_exactly(tiny):
+    engine = StageEngine(load_stage(tiny, 0, load_shape(tiny).num_layers), EngineSettings())
+    prompt = np.array([5, 9, 200, 31, 7, 7, 12, 40, 41, 42, 43, 44])  # longer than the tiny window of 8
+    engine.open("plain")
+    engine.open("spec")
+    engine.step([Segment("plain", 0, 12), Segment("spec", 0, 12)], np.concatenate([prompt, prompt]))
+    # "spec" verifies a draft of 3 wrong tokens, then rewinds to keep only its first row
+    engine.step([Segment("spec", 12, 4)], np.array([99, 100, 101, 102]))
+    engine.rewind("spec", 13)
+    plain = engine.step([Segment("plain", 12, 2)], np.array([99, 55])).logits
+    spec = engine.step([Segment("spec", 13, 1)], np.array([55])).logits
+    np.testing.assert_allclose(spec[0], plain[1], rtol=1e-5, atol=1e-5)  # batch shapes differ: not bit-equal
+    # teeth: continuing past the rejected rows without the rewind gives something else entirely
+    engine.open("leak")
+    engine.step([Segment("leak", 0, 12)], prompt)
+    engine.step([Segment("leak", 12, 4)], np.array([99, 100, 101, 102]))
+    leaked = engine.step([Segment("leak", 16, 1)], np.array([55])).logits
+    assert np.abs(leaked[0] - plain[1]).max() > 1e-2
+
+
+# -- the draft service and Redis --------------------------------------------------------------------
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    binary = shutil.which("redis-server")
+    if binary is None:
+        if os.environ.get("CI"):
+            pytest.fail("redis-server is missing (make setup-services installs it)")
+        pytest.skip("redis-server is not installed")
+    port = free_port()
+    cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    cmd += ["--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru", "--dir", str(tmp_path)]
+    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import redis
+
+    client = redis.Redis(port=port)
+    for _ in range(100):
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    yield f"redis://127.0.0.1:{port}/0", process
+    process.terminate()
+    process.wait(10)
+
+
+def _draft_service(listen: str, redis_url: str, tmp_path: Path, name: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "cascadia.cli", "draft", "--listen", listen, "--redis", redis_url, "--warmup", "4"]
+    log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 (lives as long as the process)
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+
+
+@pytest.mark.slow
+def test_two_draft_replicas_share_contexts_through_redis_and_survive_its_loss(redis_server, tmp_path):
+    from cascadia.draft.client import DraftClient
+
+    url, redis_process = redis_server
+    addresses = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    services = [_draft_service(a, url, tmp_path, f"draft-{i}") for i, a in enumerate(addresses)]
+    passage = [int(t) for t in np.random.default_rng(3).integers(100, 900, size=60)]
+
+    async def scenario() -> None:
+        first, second = DraftClient(addresses[0], timeout=5), DraftClient(addresses[1], timeout=5)
+        for _ in range(100):  # both replicas up
+            if all(
+                [await c.propose("probe", [1], 1) == ([], "") and c._sent.get("probe") == 1 for c in (first, second)]
+            ):
+                break
+            await asyncio.sleep(0.1)
+        # request A (on replica 0) writes the passage and finishes: it becomes a shared context
+        tokens, source = await first.propose("A", passage, 4)
+        assert (tokens, source) == ([], "")  # nothing repeats inside A, and nothing is shared yet
+        await first.forget("A", share=True)
+        # request B (on replica 1) starts quoting the passage: replica 1 proposes its continuation
+        quote = [7, 8, *passage[10:20]]
+        tokens, source = await second.propose("B", quote, 5)
+        assert source == "shared:A" and tokens == passage[20:25]
+        # a source that keeps being wrong loses trust after the warm-up
+        for _ in range(3):
+            await second.observe("B", source, 5, 0)
+        await second.observe("B", source, 5, 0)
+        tokens, source = await second.propose("B", [*quote, *passage[20:22]], 5)
+        assert source != "shared:A"
+        # Redis goes away: drafting goes on from the request's own tokens, nothing fails
+        redis_process.terminate()
+        redis_process.wait(10)
+        repeated = [3, 4, 5, 6, 50, 51, 3, 4, 5]
+        tokens, source = await first.propose("C", repeated, 3)
+        assert (tokens, source) == ([6, 50, 51], "local")
+        await first.forget("C", share=True)  # publishing to a dead Redis is skipped, not an error
+        for client in (first, second):
+            await client.close()
+
+    try:
+        asyncio.run(scenario())
+        assert all(s.poll() is None for s in services), "a draft service died"
+    finally:
+        for s in services:
+            s.terminate()
+            s.wait(10)
+    log = (tmp_path / "draft-0.log").read_text()
+    assert "local proposals" in log or "unavailable" in log
+
+
+# -- greedy identity across real shard processes ---------------------------------------------------
+
+COPY_PROMPT = (
+    "Repeat the list exactly. List: red apple, green pear, yellow banana, purple grape, orange mango. "
+    "Repeat: red apple, green pear,"
+)
+
+
+def _generate(model: str, shards: int, speculation: str, prompt_args: list[str], tokens: int = 32) -> list[int]:
+    cmd = [sys.executable, "-m", "cascadia.cli", "generate", "--model", model, "--shards", str(shards)]
+    cmd += [*prompt_args, "--max-tokens", str(tokens), "--json", "--speculation", speculation]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])["token_ids"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shards", [1, 3])
+def test_greedy_output_is_identical_with_speculation_on_smollm(shards):
+    off = _generate("smollm2-135m", shards, "off", ["--prompt", COPY_PROMPT])
+    on = _generate("smollm2-135m", shards, "on", ["--prompt", COPY_PROMPT])
+    assert on == off
+
+
+@pytest.mark.slow
+def test_greedy_output_is_identical_with_speculation_on_inkling(tiny):
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        motif = [int(t) for t in rng.integers(3, 500, size=5)]
+        ids = " ".join(map(str, [*motif, *rng.integers(3, 500, size=3), *motif, *motif[:2]]))
+        expected = generate(
+            StageEngine(load_stage(tiny, 0, load_shape(tiny).num_layers), EngineSettings()),
+            [int(t) for t in ids.split()],
+            SamplingParams(max_tokens=24),
+        ).token_ids
+        for shards in (1, 3):
+            assert _generate(str(tiny), shards, "on", ["--prompt-ids", ids], tokens=24) == expected
+
+
+@pytest.mark.slow
+def test_router_with_a_draft_service_verifies_drafts_and_keeps_greedy_ids(tiny, redis_server, tmp_path):
+    """The router process drafting through `cascadia draft` (Redis-backed): rounds happen, drafts are
+    accepted, every stage frees the streams, and greedy ids equal the engine's alone."""
+    import grpc
+
+    from cascadia.router.local import LocalFleet
+    from cascadia.shard.service import pb, rpc
+
+    url, _ = redis_server
+    draft_addr = f"127.0.0.1:{free_port()}"
+    draft = _draft_service(draft_addr, url, tmp_path, "draft")
+    engine = StageEngine(load_stage(tiny, 0, load_shape(tiny).num_layers), EngineSettings())
+    rng = np.random.default_rng(11)
+    requests = []
+    for i in range(4):
+        motif = [int(t) for t in rng.integers(3, 500, size=6)]
+        prompt = [*motif, *rng.integers(3, 500, size=2).tolist(), *motif, *motif[:3]]
+        requests.append((f"r{i}", prompt, generate(engine, prompt, SamplingParams(max_tokens=20)).token_ids))
+    fleet = LocalFleet(tiny, 2)
+    fleet.start(tmp_path)
+    port = free_port()
+    fleet.start_router(port, tmp_path / "router.log", "--max-draft", "5", "--draft", draft_addr)
+
+    async def go():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = rpc.RouterStub(channel)
+            for _ in range(300):
+                try:
+                    stats = await stub.Stats(pb.StatsRequest(), timeout=1)
+                    if stats.stage_serving and all(stats.stage_serving):
+                        break
+                except grpc.aio.AioRpcError:
+                    pass
+                await asyncio.sleep(0.2)
+
+            async def one(rid, prompt, off=False):
+                message = pb.GenerateRequest(request_id=rid, prompt_ids=prompt, max_tokens=20, speculation_off=off)
+                return [e.token async for e in stub.Generate(message, timeout=120)]
+
+            got = await asyncio.gather(*(one(rid, prompt) for rid, prompt, _ in requests))
+            stats = await stub.Stats(pb.StatsRequest(), timeout=5)
+            plain = await one("off", requests[0][1], off=True)
+            after = await stub.Stats(pb.StatsRequest(), timeout=5)
+            return got, stats, plain, after
+
+    try:
+        got, stats, plain, after = asyncio.run(go())
+    finally:
+        fleet.stop()
+        draft.terminate()
+        draft.wait(10)
+    assert got == [expected for _, _, expected in requests]
+    assert plain == requests[0][2]
+    assert stats.verify_rounds > 0 and stats.accepted_tokens > 0, stats
+    assert stats.accepted_tokens <= stats.drafted_tokens
+    assert after.verify_rounds == stats.verify_rounds  # the request that switched speculation off drafted nothing
