@@ -462,8 +462,11 @@ def up(
     max_context: MaxContext = 1024,
     max_concurrent_per_key: MaxConcurrentPerKey = 64,
     log_dir: Annotated[Path | None, typer.Option(help="Write each process's log here.")] = None,
+    speculation: Annotated[
+        str, typer.Option(help="on: the draft service (and Redis, when installed) and speculative rounds; off.")
+    ] = "on",
 ) -> None:
-    """The whole fleet on this machine: shard processes, the router and the gateway, until Ctrl-C."""
+    """The whole fleet on this machine: shard processes, router, draft service, Redis and gateway, until Ctrl-C."""
     import signal
     import subprocess
     import time
@@ -474,6 +477,8 @@ def up(
     model_dir = resolve_model(model)
     if precision not in PRECISION_PRESETS:
         raise fail(f"--precision '{precision}' is not one of {', '.join(PRECISION_PRESETS)}")
+    if speculation not in ("on", "off"):
+        raise fail(f"--speculation '{speculation}' is not one of on, off")
     try:
         local_ranges(model_dir, shards)
     except ValueError as exc:
@@ -485,11 +490,15 @@ def up(
     # the shards hold what the gateway admits: prompt plus generated tokens per stream
     fleet = LocalFleet(model_dir, shards, precision, context=max_context)
     gateway_proc: subprocess.Popen | None = None
+    reported: list[subprocess.Popen] = []
     code = 0
     try:
         fleet.start(log_dir)
         router_port = router_port or free_port()
-        router_proc = fleet.start_router(router_port, log_dir / "router.log" if log_dir else None)
+        drafting = []
+        if speculation == "on":
+            drafting = ["--max-draft", str(DEFAULT_MAX_DRAFT), "--draft", fleet.start_draft(log_dir)]
+        router_proc = fleet.start_router(router_port, log_dir / "router.log" if log_dir else None, *drafting)
         cmd = [sys.executable, "-m", "cascadia.cli", "gateway", "--router", f"127.0.0.1:{router_port}"]
         cmd += ["--model", str(model_dir), "--port", str(port), "--max-context", str(max_context)]
         cmd += ["--max-concurrent-per-key", str(max_concurrent_per_key)]
@@ -503,6 +512,10 @@ def up(
         )
         while True:
             dead = fleet.dead()
+            for helper in fleet.helpers:  # drafts are an optimisation: serving goes on without them
+                if helper.poll() is not None and helper not in reported:
+                    err.print(f"[yellow]{helper.args[0]} exited ({helper.returncode}); decoding without it[/yellow]")
+                    reported.append(helper)
             if dead or router_proc.poll() is not None or gateway_proc.poll() is not None:
                 err.print(
                     f"[red]a fleet process exited:[/red] shards {dead}, router {router_proc.poll()}, "

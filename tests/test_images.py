@@ -38,7 +38,7 @@ def instructions(path: Path) -> list[tuple[str, str]]:
 
 
 def test_there_is_an_image_per_role_that_exists():
-    assert {p.name.split(".")[0] for p in DOCKERFILES} >= {"shard", "router", "gateway", "operator"}
+    assert {p.name.split(".")[0] for p in DOCKERFILES} >= {"shard", "router", "draft", "gateway", "operator"}
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
@@ -78,7 +78,7 @@ def test_every_command_the_operator_renders_parses():
                 probe = container.get("readinessProbe", {}).get("exec")
                 if probe:
                     commands.append(probe["command"][1:])
-    assert {c[0] for c in commands} == {"shard", "router", "gateway", "probe"}
+    assert {c[0] for c in commands} == {"shard", "router", "draft", "gateway", "probe"}
     for args in commands:
         parse_cascadia(args)
 

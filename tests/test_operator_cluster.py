@@ -213,6 +213,17 @@ def test_eleven_node_example_yields_eleven_pinned_statefulsets_and_a_plan(kube, 
         (n, 6 * i, 6 * i + 6) for i, n in enumerate(NODES)
     ]
     assert body["status"]["totalShards"] == 11
+    # the example drafts: a draft Deployment beside the router, which is told where it is
+    apps = client.AppsV1Api(api)
+    draft = wait_for(
+        lambda: next(
+            (d for d in apps.list_namespaced_deployment("serving").items if d.metadata.name == "inkling-draft"), None
+        ),
+        what="the draft Deployment",
+    )
+    assert draft.spec.template.spec.containers[0].args[0] == "draft"
+    router = apps.read_namespaced_deployment("inkling-router", "serving").spec.template.spec.containers[0].args
+    assert router[router.index("--draft") + 1] == "inkling-draft.serving.svc:7100"
     assert condition(body, "Planned")["status"] == "True"
     assert condition(body, "Ready")["status"] == "False"
     for kind, name in (

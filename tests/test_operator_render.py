@@ -55,7 +55,8 @@ def test_defaults_come_from_the_schema():
         (lambda s: s["nodes"]["names"].append("pc-03"), "nodes.names[11]"),
         (lambda s: s["nodes"].update(memory="lots"), "nodes.memory"),
         (lambda s: s.update(redis={"managed": False}), "redis.url"),
-        (lambda s: s.update(draft={"enabled": True}), "draft.enabled"),
+        (lambda s: s.update(draft={"enabled": True, "model": "/models/small"}), "draft.model"),
+        (lambda s: s.update(draft={"enabled": True, "maxDraft": 8}), "draft.maxDraft"),
     ],
 )
 def test_spec_errors_name_the_field(change, field):
@@ -97,6 +98,43 @@ def test_eleven_nodes_get_six_layers_each_pinned_with_a_device_and_a_chained_nex
     assert ("ConfigMap", "inkling-plan") in kinds and ("StatefulSet", "inkling-redis") in kinds
     for child in children:
         assert child["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+
+
+def test_draft_service_is_rendered_and_the_router_drafts_through_it():
+    spec = example_spec()
+    spec["draft"] = {"enabled": True, "replicas": 2, "maxDraft": 5, "minSharedAgreement": 0.95}
+    _, children = rendered(spec)
+    by_name = {(c["kind"], c["metadata"]["name"]): c for c in children}
+    draft = by_name[("Deployment", "inkling-draft")]
+    assert draft["spec"]["replicas"] == 2
+    args = draft["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[0] == "draft" and args[args.index("--redis") + 1] == "redis://inkling-redis.serving.svc:6379/0"
+    assert args[args.index("--trust") + 1] == "0.95"
+    assert by_name[("Service", "inkling-draft")]["spec"]["ports"][0]["port"] == 7100
+    router = by_name[("Deployment", "inkling-router")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert router[router.index("--max-draft") + 1] == "5"
+    assert router[router.index("--draft") + 1] == "inkling-draft.serving.svc:7100"
+    policy = by_name[("NetworkPolicy", "inkling-draft")]["spec"]["ingress"][0]
+    assert [p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in policy["from"]] == ["router"]
+    # an external Redis: its password reaches the draft service from the Secret, never the arguments
+    spec["redis"] = {
+        "managed": False,
+        "url": "rediss://cache.example:6380/0",
+        "passwordSecret": {"name": "r", "key": "p"},
+    }
+    _, children = rendered(spec)
+    draft = next(c for c in children if c["metadata"]["name"] == "inkling-draft" and c["kind"] == "Deployment")
+    container = draft["spec"]["template"]["spec"]["containers"][0]
+    assert "rediss://cache.example:6380/0" in container["args"]
+    assert container["env"] == [
+        {"name": "CASCADIA_REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": "r", "key": "p"}}}
+    ]
+    # without the draft service the router never drafts
+    spec = example_spec()
+    spec["draft"] = {"enabled": False}
+    _, children = rendered(spec)
+    router = next(c for c in children if c["metadata"]["name"] == "inkling-router" and c["kind"] == "Deployment")
+    assert "--max-draft" not in router["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
 def test_network_policies_let_only_the_router_and_previous_stage_reach_shards():

@@ -150,11 +150,13 @@ SPEC = _object(
             "Speculative decoding proposer.",
             {
                 "enabled": _s(
-                    "Run the draft service (not part of this release yet: must be false).",
+                    "Run the draft service and let the router verify drafted tokens in speculative rounds.",
                     type="boolean",
                     default=False,
                 ),
-                "model": _string("Path of the small CPU draft model on the draft node (optional)."),
+                "replicas": _int("Draft service replicas (they share the Redis index).", 1, 16, 1),
+                "maxDraft": _int("Drafted tokens per speculative round; below serving.rowsPerGroup.", 1, 31, 7),
+                "model": _string("Path of a small CPU draft model (not served yet: leave unset)."),
                 "minSharedAgreement": _s(
                     "Shared-context matches are used only where their measured agreement is at least this.",
                     type="number",

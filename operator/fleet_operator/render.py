@@ -14,6 +14,7 @@ SHARD_PORT = 7000
 ROUTER_PORT = 50051
 COLLECT_PORT = 50052
 REDIS_PORT = 6379
+DRAFT_PORT = 7100
 KEYS_MOUNT = "/etc/cascadia/keys"
 FLEET_LABEL = "cascadia.dev/fleet"
 STAGE_LABEL = "cascadia.dev/stage"
@@ -250,6 +251,14 @@ def router_children(fleet: Fleet, plan: FleetPlan) -> list[dict[str, Any]]:
         "--rows-per-group", str(serving["rowsPerGroup"]), "--prefill-window", str(serving["prefillWindow"]),
         "--max-streams", str(serving["maxStreams"]), "--max-queue", str(serving["maxQueue"]),
     ]  # fmt: skip
+    draft = spec.get("draft")
+    if draft.get("enabled"):
+        args += [
+            "--max-draft",
+            str(draft["maxDraft"]),
+            "--draft",
+            f"{fleet.name}-draft.{fleet.namespace}.svc:{DRAFT_PORT}",
+        ]
     container = _container(
         "router", spec.get("images", "router"), args, spec,
         ports=_tcp([{"name": "api", "containerPort": ROUTER_PORT}, {"name": "collect", "containerPort": COLLECT_PORT}]),
@@ -293,6 +302,34 @@ def gateway_children(fleet: Fleet, plan: FleetPlan) -> list[dict[str, Any]]:
     deployment = _deployment(fleet, name, "gateway", gateway["replicas"], pod)
     ports = [{"name": "http", "port": gateway["port"], "targetPort": "http"}]
     return [deployment, service(fleet, name, "gateway", ports, gateway["serviceType"])]
+
+
+def redis_url(fleet: Fleet) -> str:
+    if fleet.spec.get("redis", "managed"):
+        return f"redis://{fleet.name}-redis.{fleet.namespace}.svc:{REDIS_PORT}/0"
+    return fleet.spec.get("redis", "url")
+
+
+def draft_children(fleet: Fleet) -> list[dict[str, Any]]:
+    """The draft service: request-local matches, and shared contexts in the fleet's Redis."""
+    spec = fleet.spec
+    draft = spec.get("draft")
+    name = f"{fleet.name}-draft"
+    args = [
+        "draft", "--listen", f"0.0.0.0:{DRAFT_PORT}", "--redis", redis_url(fleet),
+        "--trust", str(draft["minSharedAgreement"]),
+    ]  # fmt: skip
+    env = []
+    secret = spec.get("redis", "passwordSecret")
+    if secret and not spec.get("redis", "managed"):
+        env.append({"name": "CASCADIA_REDIS_PASSWORD", "valueFrom": {"secretKeyRef": secret}})
+    container = _container(
+        "draft", spec.get("images", "draft"), args, spec,
+        ports=_tcp([{"name": "grpc", "containerPort": DRAFT_PORT}]),
+        readinessProbe=_probe(DRAFT_PORT), resources=_resources(spec, "draft"), **({"env": env} if env else {}),
+    )  # fmt: skip
+    deployment = _deployment(fleet, name, "draft", draft["replicas"], _workload_pod(fleet, "draft", [container]))
+    return [deployment, service(fleet, name, "draft", [{"name": "grpc", "port": DRAFT_PORT, "targetPort": "grpc"}])]
 
 
 def redis_children(fleet: Fleet) -> list[dict[str, Any]]:
@@ -348,6 +385,8 @@ def network_policies(fleet: Fleet) -> list[dict[str, Any]]:
     ]
     if fleet.spec.get("redis", "managed"):
         policies.append(_policy(fleet, "redis", [(["draft", "router"], REDIS_PORT)]))
+    if fleet.spec.get("draft", "enabled"):
+        policies.append(_policy(fleet, "draft", [(["router"], DRAFT_PORT)]))
     return policies
 
 
@@ -388,6 +427,8 @@ def render(fleet: Fleet, plan: FleetPlan) -> list[dict[str, Any]]:
         children.append(shard_statefulset(fleet, plan, stage))
     if fleet.spec.get("redis", "managed"):
         children += redis_children(fleet)
+    if fleet.spec.get("draft", "enabled"):
+        children += draft_children(fleet)
     children += router_children(fleet, plan)
     children += gateway_children(fleet, plan)
     return children

@@ -70,8 +70,12 @@ def parse_spec(spec: dict[str, Any]) -> FleetSpec:
         raise SpecError("redis.url", "an external Redis (managed: false) needs a url")
     if redis.get("managed", True) and redis.get("url"):
         raise SpecError("redis.url", "a url is for an external Redis: set managed to false")
-    if (spec.get("draft") or {}).get("enabled"):
-        raise SpecError("draft.enabled", "the draft service is not part of this release yet; set it to false")
+    draft = spec.get("draft") or {}
+    if draft.get("model"):
+        raise SpecError("draft.model", "a draft language model is not served yet; drafts come from matches")
+    rows = (spec.get("serving") or {}).get("rowsPerGroup", 8)
+    if draft.get("enabled") and draft.get("maxDraft", 7) >= rows:
+        raise SpecError("draft.maxDraft", f"{draft.get('maxDraft')} drafted tokens do not fit rowsPerGroup {rows}")
     return FleetSpec(
         raw=spec,
         node_names=tuple(names) if names is not None else None,

@@ -11,6 +11,7 @@ drafting carries on from the request-local sources.
 from __future__ import annotations
 
 import logging
+import os
 import struct
 from collections.abc import Sequence
 
@@ -30,7 +31,9 @@ class RedisContexts:
         prefix: str = "cascadia:",
         max_context: int = 8192,
     ) -> None:
-        self.client = redis.Redis.from_url(url, socket_timeout=0.2, socket_connect_timeout=0.2)
+        # an external Redis's password comes from the environment (a Secret), never the command line
+        password = os.environ.get("CASCADIA_REDIS_PASSWORD") or None
+        self.client = redis.Redis.from_url(url, password=password, socket_timeout=0.2, socket_connect_timeout=0.2)
         self.ngram, self.ttl_s, self.trust, self.warmup = ngram, ttl_s, trust, warmup
         self.prefix, self.max_context = prefix, max_context
         self._down = False

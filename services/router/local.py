@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import signal
 import socket
 import subprocess
@@ -45,6 +46,7 @@ class LocalFleet:
     router: subprocess.Popen | None = None
     network: EmulatedNetwork | None = None  # shards in their own namespaces behind shaped links
     context: int | None = None  # global-layer positions per stream on every shard (None: the default)
+    helpers: list[subprocess.Popen] = field(default_factory=list)  # Redis and the draft service
 
     @property
     def stage_addrs(self) -> list[str]:
@@ -84,6 +86,23 @@ class LocalFleet:
         self.router = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None)
         return self.router
 
+    def start_draft(self, log_dir: Path | None = None) -> str:
+        """`cascadia draft` beside the fleet, over a Redis of its own when redis-server exists; its address."""
+        redis_url = None
+        binary = shutil.which("redis-server")
+        if binary is not None:
+            port = free_port()
+            cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+            cmd += ["--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru"]
+            self.helpers.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            redis_url = f"redis://127.0.0.1:{port}/0"
+        address = f"127.0.0.1:{free_port()}"
+        cmd = [sys.executable, "-m", "cascadia.cli", "draft", "--listen", address]
+        cmd += ["--redis", redis_url] if redis_url else []
+        out = open(log_dir / "draft.log", "w") if log_dir else None  # noqa: SIM115 (the process outlives this call)
+        self.helpers.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None))
+        return address
+
     def restart(self, stage: int) -> None:
         """Start a stage again on its old address (after it died or was killed)."""
         if self.processes[stage].poll() is None:
@@ -99,7 +118,7 @@ class LocalFleet:
         self.processes[stage].wait()
 
     def stop(self, timeout: float = 10.0) -> None:
-        everything = [*self.processes, *([self.router] if self.router else [])]
+        everything = [*self.processes, *([self.router] if self.router else []), *self.helpers]
         for p in everything:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
