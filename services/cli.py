@@ -730,6 +730,25 @@ def bench_peer(
     sys.stdout.write(json.dumps({"results": summary["results"], "ratios": summary["ratios"]}) + "\n")
 
 
+@bench_app.command("spec")
+def bench_spec(
+    model: Annotated[str, typer.Option(help=MODEL_HELP)] = "smollm2-135m",
+    out: Annotated[Path, typer.Option(help="Directory for JSON and PNG results.")] = Path("bench-out/spec"),
+    shards: Annotated[int, typer.Option(min=1)] = 3,
+    new_tokens: Annotated[int, typer.Option(min=2)] = 64,
+    repeats: Annotated[int, typer.Option(min=1, help="Requests per family and mode (median reported).")] = 3,
+    streams: Annotated[int, typer.Option(min=1, help="Concurrent streams for the aggregate rate.")] = 32,
+    max_draft: Annotated[int, typer.Option(min=1, max=31)] = DEFAULT_MAX_DRAFT,
+) -> None:
+    """Per-request speedup and acceptance of speculative decoding by prompt family, and the aggregate rate."""
+    from cascadia.bench.spec import SpecBenchConfig, run_spec_bench
+
+    path = resolve_model(model)
+    summary = run_spec_bench(SpecBenchConfig(path, out, shards, new_tokens, repeats, streams, max_draft), err)
+    speedups = {f: round(r["speedup"], 3) for f, r in summary["families"].items()}
+    sys.stdout.write(json.dumps({"speedup": speedups, "aggregate": summary["aggregate"]}) + "\n")
+
+
 @bench_app.command("load")
 def bench_load(
     model: Annotated[str, typer.Option(help=MODEL_HELP)] = "models/tiny",

@@ -61,6 +61,7 @@ class PipelineDriver:
         self.stage_addrs = list(stage_addrs)
         self.proposer = proposer  # drafts for speculative rounds (config.max_draft > 0)
         self.spec_stats = {"rounds": 0, "proposed": 0, "accepted": 0}
+        self.spec_by_source: dict[str, list[int]] = {}  # source -> [proposed, accepted]
         self.listen = listen
         self.scheduler = Scheduler(config)
         self.frame_timeout = frame_timeout
@@ -170,6 +171,9 @@ class PipelineDriver:
                 self.spec_stats["rounds"] += 1
                 self.spec_stats["proposed"] += v.proposed
                 self.spec_stats["accepted"] += v.accepted
+                counts = self.spec_by_source.setdefault(v.source or "none", [0, 0])
+                counts[0] += v.proposed
+                counts[1] += v.accepted
                 if self.proposer is not None:
                     self._spawn(self.proposer.observe(v.stream, v.source, v.proposed, v.accepted))
         self._spawn(self.pump())

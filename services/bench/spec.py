@@ -1,0 +1,157 @@
+"""`cascadia bench spec`: speculative decoding against the same fleet without it, per prompt family.
+
+One local fleet, one router driver that speculates; the baseline is the same requests with
+speculation switched off per request, interleaved with the speculative ones, so both see the same
+machine. Lone streams for the per-request speedup; many concurrent streams for the aggregate rate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from cascadia.engine.sampling import SamplingParams
+
+PASSAGE = (
+    "The lighthouse stood on the northern cliff for two hundred years. Every night its keeper climbed "
+    "the spiral stairs, trimmed the wick, polished the lens and watched the ships pass safely by."
+)
+CODE = (
+    "def mean(values):\n    total = 0\n    for value in values:\n        total += value\n"
+    "    return total / len(value)\n"
+)
+FAMILIES: dict[str, str] = {
+    "copy": f"Copy the text below exactly.\n\nText: {PASSAGE}\n\nCopy: ",
+    "edit": f"Fix the bug in this function and print the whole corrected function.\n\n{CODE}\nCorrected:\n",
+    "rewrite": f"Repeat this sentence word for word, then stop.\n{PASSAGE}\nRepeated:\n",
+    "pattern": "Continue the sequence: red, green, blue, red, green, blue, red, green, blue, red,",
+    "free": "Write a short story about a dragon who learns to bake bread.",
+}
+
+
+@dataclass(frozen=True)
+class SpecBenchConfig:
+    model: Path
+    out: Path
+    shards: int = 3
+    new_tokens: int = 64
+    repeats: int = 3
+    streams: int = 32
+    max_draft: int = 7
+
+
+async def _one(driver, rid: str, prompt: list[int], new_tokens: int, speculate: bool) -> dict[str, float]:
+    from cascadia.router.scheduler import Request
+
+    started = time.perf_counter()
+    result = await driver.generate(Request(rid, tuple(prompt), SamplingParams(max_tokens=new_tokens), speculate))
+    end = time.perf_counter()
+    decode = (len(result.tokens) - 1) / (end - result.first_token_at) if end > result.first_token_at else 0.0
+    return {"tokens": result.tokens, "decode_tokens_per_s": decode, "total_s": end - started}
+
+
+async def _run(config: SpecBenchConfig, driver, codec, console: Console) -> dict[str, Any]:
+    out: dict[str, Any] = {"families": {}, "aggregate": {}}
+    for family, text in FAMILIES.items():
+        prompt = codec.encode(text)
+        runs: dict[str, list[float]] = {"off": [], "on": []}
+        sources: dict[str, list[int]] = {}
+        same = True
+        for i in range(config.repeats):
+            base = await _one(driver, f"{family}-off-{i}", prompt, config.new_tokens, False)
+            before = {k: list(v) for k, v in driver.spec_by_source.items()}
+            spec = await _one(driver, f"{family}-on-{i}", prompt, config.new_tokens, True)
+            for source, (proposed, accepted) in driver.spec_by_source.items():
+                was = before.get(source, [0, 0])
+                counts = sources.setdefault(source, [0, 0])
+                counts[0] += proposed - was[0]
+                counts[1] += accepted - was[1]
+            same &= base["tokens"] == spec["tokens"]
+            runs["off"].append(base["decode_tokens_per_s"])
+            runs["on"].append(spec["decode_tokens_per_s"])
+        off, on = statistics.median(runs["off"]), statistics.median(runs["on"])
+        out["families"][family] = {
+            "decode_tokens_per_s_off": off,
+            "decode_tokens_per_s_on": on,
+            "speedup": on / off if off else 0.0,
+            "identical_greedy_output": same,
+            "acceptance_by_source": {s: (a / p if p else 0.0) for s, (p, a) in sources.items()},
+            "drafted_by_source": {s: p for s, (p, _) in sources.items()},
+        }
+        console.print(f"{family:8s} speedup {on / off if off else 0:.2f}x  ({off:.1f} -> {on:.1f} tok/s)")
+    prompts = [codec.encode(t) for t in FAMILIES.values()]
+    for mode in ("off", "on"):
+        requests = [
+            _one(driver, f"agg-{mode}-{i}", prompts[i % len(prompts)], config.new_tokens, mode == "on")
+            for i in range(config.streams)
+        ]
+        started = time.perf_counter()
+        results = await asyncio.gather(*requests)
+        elapsed = time.perf_counter() - started
+        out["aggregate"][mode] = {
+            "streams": config.streams,
+            "tokens_per_s": sum(len(r["tokens"]) for r in results) / elapsed,
+        }
+    console.print(f"{config.streams} streams: {out['aggregate']}")
+    return out
+
+
+def run_spec_bench(config: SpecBenchConfig, console: Console) -> dict[str, Any]:
+    from cascadia.draft.client import LocalProposer
+    from cascadia.gateway.text import TextCodec
+    from cascadia.router.local import LocalFleet
+    from cascadia.router.pipeline import PipelineDriver
+    from cascadia.router.scheduler import SchedulerConfig
+
+    config.out.mkdir(parents=True, exist_ok=True)
+    codec = TextCodec.from_model(config.model)
+    fleet = LocalFleet(config.model, config.shards, "f32")
+    fleet.start(log_dir=config.out)
+
+    async def go() -> dict[str, Any]:
+        scheduler = SchedulerConfig(stages=config.shards, max_draft=config.max_draft, max_streams=config.streams)
+        driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, scheduler, 600, LocalProposer())
+        await driver.start()
+        try:
+            with console.status(f"starting {config.shards} shards"):
+                await driver.wait_ready(timeout=600)
+            await _one(driver, "warm-up", codec.encode("Hello"), 8, True)
+            return await _run(config, driver, codec, console)
+        finally:
+            await driver.stop()
+
+    try:
+        results = asyncio.run(go())
+    finally:
+        fleet.stop()
+    summary = {"model": config.model.name, "shards": config.shards, "new_tokens": config.new_tokens, **results}
+    (config.out / "spec.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _plot(summary, config.out / "spec.png")
+    return summary
+
+
+def _plot(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    families = list(summary["families"])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    axes[0].bar(families, [summary["families"][f]["speedup"] for f in families])
+    axes[0].axhline(1.0, color="grey", linewidth=1)
+    axes[0].set_ylabel("decode speedup, one stream (x)")
+    aggregate = summary["aggregate"]
+    axes[1].bar(["off", "on"], [aggregate["off"]["tokens_per_s"], aggregate["on"]["tokens_per_s"]])
+    axes[1].set_ylabel(f"aggregate tok/s, {aggregate['on']['streams']} streams")
+    fig.suptitle(f"Speculative decoding on {summary['model']} across {summary['shards']} shards")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
