@@ -331,8 +331,15 @@ def draft_command(
     warmup: Annotated[int, typer.Option(min=0, help="Proposals from a shared context before trust applies.")] = 16,
     ngram: Annotated[int, typer.Option(min=1, help="Suffix length matched in shared contexts.")] = 4,
     ttl: Annotated[int, typer.Option(min=1, help="Seconds a shared context is kept.")] = 3600,
+    draft_model: Annotated[
+        str | None, typer.Option("--model", help=f"A small draft model when nothing matches ({MODEL_HELP}).")
+    ] = None,
+    target: Annotated[
+        str | None, typer.Option(help="The served model, whose tokenizer the draft model's text is re-encoded with.")
+    ] = None,
+    device: Annotated[str, typer.Option(help="OpenVINO device of the draft model.")] = "CPU",
 ) -> None:
-    """The draft service: request-local suffix matches and shared contexts in Redis."""
+    """The draft service: request-local suffix matches, shared contexts in Redis, a small draft model."""
     import logging
 
     from cascadia.draft.proposer import HybridProposer
@@ -348,7 +355,16 @@ def draft_command(
             err.print(f"Redis at {redis_url} is not answering: local proposals until it does")
     else:
         err.print("no --redis: proposing from each request's own tokens only")
-    run_until_signal(serve(HybridProposer(shared=shared, shared_ngram=ngram), listen))
+    drafter = None
+    if draft_model is not None:
+        if target is None:
+            raise fail("--model needs --target: the draft model's text is re-encoded with the target's tokenizer")
+        from cascadia.draft.model import EngineDrafter
+        from cascadia.gateway.text import TextCodec
+
+        with err.status(f"loading the draft model {draft_model}"):
+            drafter = EngineDrafter(resolve_model(draft_model), TextCodec.from_model(resolve_model(target)), device)
+    run_until_signal(serve(HybridProposer(shared=shared, model=drafter, shared_ngram=ngram), listen))
 
 
 # Options the gateway and `up` share, spelled once.
@@ -465,6 +481,9 @@ def up(
     speculation: Annotated[
         str, typer.Option(help="on: the draft service (and Redis, when installed) and speculative rounds; off.")
     ] = "on",
+    draft_model: Annotated[
+        str | None, typer.Option(help="A small draft model for the draft service (pays when far smaller).")
+    ] = None,
 ) -> None:
     """The whole fleet on this machine: shard processes, router, draft service, Redis and gateway, until Ctrl-C."""
     import signal
@@ -497,7 +516,8 @@ def up(
         router_port = router_port or free_port()
         drafting = []
         if speculation == "on":
-            drafting = ["--max-draft", str(DEFAULT_MAX_DRAFT), "--draft", fleet.start_draft(log_dir)]
+            address = fleet.start_draft(log_dir, str(resolve_model(draft_model)) if draft_model else None)
+            drafting = ["--max-draft", str(DEFAULT_MAX_DRAFT), "--draft", address]
         router_proc = fleet.start_router(router_port, log_dir / "router.log" if log_dir else None, *drafting)
         cmd = [sys.executable, "-m", "cascadia.cli", "gateway", "--router", f"127.0.0.1:{router_port}"]
         cmd += ["--model", str(model_dir), "--port", str(port), "--max-context", str(max_context)]

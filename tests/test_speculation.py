@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cascadia.draft.proposer import HybridProposer
 from cascadia.draft.suffix import SuffixAutomaton
 from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine
@@ -342,3 +343,35 @@ def test_router_with_a_draft_service_verifies_drafts_and_keeps_greedy_ids(tiny, 
     assert stats.verify_rounds > 0 and stats.accepted_tokens > 0, stats
     assert stats.accepted_tokens <= stats.drafted_tokens
     assert after.verify_rounds == stats.verify_rounds  # the request that switched speculation off drafted nothing
+
+
+@pytest.mark.slow
+def test_a_draft_model_with_another_tokenizer_proposes_what_the_target_would_say():
+    """SmolLM2 drafting for itself through the text round trip: its drafts are the target's own greedy
+    continuation, proposal after proposal as the stream grows (state kept and rewound in the drafter)."""
+    from cascadia.draft.model import EngineDrafter
+    from cascadia.gateway.text import TextCodec
+    from cascadia.model.loader import resolve
+
+    path = resolve("smollm2-135m")
+    codec = TextCodec.from_model(path)
+    drafter = EngineDrafter(path, codec)
+    target = StageEngine(load_stage(path, 0, load_shape(path).num_layers), EngineSettings())
+    context = codec.encode("The three primary colors are")
+    expected = generate(target, context, SamplingParams(max_tokens=24)).token_ids
+    proposer = HybridProposer(model=drafter)
+    proposer.append("s", context)
+    produced: list[int] = []
+    rounds = 0
+    while len(produced) < 20:
+        tokens, source = proposer.propose("s", 4)
+        assert source == "model" and tokens, (tokens, source)
+        assert tokens == expected[len(produced) : len(produced) + len(tokens)]
+        # the target accepts them all and adds its own next token
+        step = [*tokens, expected[len(produced) + len(tokens)]]
+        proposer.append("s", step)
+        produced += step
+        rounds += 1
+    assert rounds <= 5
+    proposer.forget("s", share=False)
+    assert drafter.engine.streams == []

@@ -26,7 +26,8 @@ class SharedContexts(Protocol):
 
 
 class ModelDrafter(Protocol):
-    def draft(self, context: Sequence[int], k: int) -> list[int]: ...
+    def draft(self, context: Sequence[int], k: int, stream: str) -> list[int]: ...
+    def forget(self, stream: str) -> None: ...
 
 
 @dataclass
@@ -64,7 +65,7 @@ class HybridProposer:
             if found is not None and self.shared.trusted(found[0]):
                 return found[1], found[0]
         if self.model is not None:
-            return self.model.draft(tokens, k), MODEL
+            return self.model.draft(tokens, k, stream), MODEL
         return [], ""
 
     def observe(self, source: str, proposed: int, accepted: int) -> None:
@@ -73,5 +74,7 @@ class HybridProposer:
 
     def forget(self, stream: str, share: bool) -> None:
         state = self.streams.pop(stream, None)
+        if self.model is not None:
+            self.model.forget(stream)
         if state is not None and share and self.shared is not None:
             self.shared.publish(stream, state.automaton.tokens)

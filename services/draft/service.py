@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -18,19 +19,22 @@ MAX_K = 64
 class DraftServicer(rpc.DraftServicer):
     def __init__(self, proposer: HybridProposer) -> None:
         self.proposer = proposer
+        # proposals may run a draft model: off the event loop, one at a time
+        self._lock = asyncio.Lock()
 
     async def Propose(self, request, context):
         if not request.stream or request.k < 0 or request.k > MAX_K or request.known < 0:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"stream must be named, 0 <= k <= {MAX_K}, known >= 0"
             )
-        have = self.proposer.known(request.stream)
-        if have != request.known:  # the caller and this service disagree (e.g. after a restart): start over
-            self.proposer.forget(request.stream, share=False)
-            if request.known:
-                return pb.Proposal(have=0)
-        have = self.proposer.append(request.stream, request.tokens)
-        tokens, source = self.proposer.propose(request.stream, request.k)
+        async with self._lock:
+            have = self.proposer.known(request.stream)
+            if have != request.known:  # the caller and this service disagree (e.g. after a restart): start over
+                self.proposer.forget(request.stream, share=False)
+                if request.known:
+                    return pb.Proposal(have=0)
+            have = self.proposer.append(request.stream, request.tokens)
+            tokens, source = await asyncio.to_thread(self.proposer.propose, request.stream, request.k)
         return pb.Proposal(tokens=tokens, source=source, have=have)
 
     async def Observe(self, request, context):
@@ -38,7 +42,8 @@ class DraftServicer(rpc.DraftServicer):
         return pb.Ack()
 
     async def Forget(self, request, context):
-        self.proposer.forget(request.stream, request.share)
+        async with self._lock:
+            self.proposer.forget(request.stream, request.share)
         return pb.Ack()
 
     async def Stats(self, request, context):

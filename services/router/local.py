@@ -86,7 +86,7 @@ class LocalFleet:
         self.router = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None)
         return self.router
 
-    def start_draft(self, log_dir: Path | None = None) -> str:
+    def start_draft(self, log_dir: Path | None = None, draft_model: str | None = None) -> str:
         """`cascadia draft` beside the fleet, over a Redis of its own when redis-server exists; its address."""
         redis_url = None
         binary = shutil.which("redis-server")
@@ -99,6 +99,7 @@ class LocalFleet:
         address = f"127.0.0.1:{free_port()}"
         cmd = [sys.executable, "-m", "cascadia.cli", "draft", "--listen", address]
         cmd += ["--redis", redis_url] if redis_url else []
+        cmd += ["--model", draft_model, "--target", str(self.model)] if draft_model else []
         out = open(log_dir / "draft.log", "w") if log_dir else None  # noqa: SIM115 (the process outlives this call)
         self.helpers.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None))
         return address

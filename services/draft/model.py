@@ -1,0 +1,80 @@
+"""A small draft language model on the CPU: it continues the stream's text, re-encoded into the target's tokens.
+
+The draft model need not share the target's vocabulary: the target's recent tokens are decoded to
+text, encoded with the draft model's tokenizer, continued greedily, and the continuation encoded
+back with the target's tokenizer. Each stream keeps its state in the draft engine, so a proposal
+costs only the new tokens and the drafted ones; drafted positions are rewound afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from cascadia.engine.batch import Segment
+from cascadia.engine.engine import StageEngine
+from cascadia.engine.settings import EngineSettings
+from cascadia.gateway.text import TextCodec
+
+EXTRA_DRAFTED = 2  # draft-model tokens beyond k: re-encoding may need them to make k target tokens
+
+
+class EngineDrafter:
+    def __init__(self, model: Path, target: TextCodec, device: str = "CPU", window: int = 512) -> None:
+        from cascadia.model.loader import load_shape, load_stage
+
+        shape = load_shape(model)
+        self.codec = TextCodec.from_model(model)
+        self.target = target
+        self.window = window
+        self.engine = StageEngine(
+            load_stage(model, 0, shape.num_layers), EngineSettings(device=device, context=window + 64)
+        )
+        self._fed: dict[str, list[int]] = {}  # draft-model tokens each stream's state holds
+
+    def draft(self, context: Sequence[int], k: int, stream: str = "draft") -> list[int]:
+        tail = list(context[-self.window // 2 :])
+        text = self.target.decode(tail)
+        if self.target.encode(text, add_bos=False) != tail:
+            return []  # the tail does not survive a round trip through text: nothing aligns
+        ids = self.codec.encode(text, add_bos=False)[-self.window // 2 :]
+        if not ids:
+            return []
+        generated = self._continue(stream, ids, k + EXTRA_DRAFTED)
+        full = self.target.encode(text + self.codec.decode(generated), add_bos=False)
+        if full[: len(tail)] != tail:
+            return []
+        return full[len(tail) : len(tail) + k]
+
+    def forget(self, stream: str) -> None:
+        if self._fed.pop(stream, None) is not None:
+            self.engine.close(stream)
+
+    def _continue(self, stream: str, ids: list[int], n: int) -> list[int]:
+        fed = self._fed.get(stream)
+        common = 0
+        if fed is not None:
+            limit = min(len(fed), len(ids) - 1)  # at least one new token feeds the next logits
+            while common < limit and fed[common] == ids[common]:
+                common += 1
+            if len(fed) - common > self.engine.settings.rewind_slack - n or common == 0:
+                self.forget(stream)
+                fed = None
+                common = 0
+        if fed is None:
+            self.engine.open(stream)
+        else:
+            self.engine.rewind(stream, common)
+        new = np.asarray(ids[common:], dtype=np.int64)
+        logits = self.engine.step([Segment(stream, common, len(new))], new, np.array([len(new) - 1])).logits
+        out = [int(np.argmax(logits[0]))]
+        position = len(ids)
+        for _ in range(n - 1):
+            logits = self.engine.step([Segment(stream, position, 1)], np.array([out[-1]])).logits
+            out.append(int(np.argmax(logits[0])))
+            position += 1
+        self.engine.rewind(stream, len(ids))  # the drafted tokens are not part of the stream's text
+        self._fed[stream] = list(ids)
+        return out
