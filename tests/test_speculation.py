@@ -189,6 +189,40 @@ def redis_server(tmp_path):
     process.wait(10)
 
 
+def _prompt_whose_output_repeats(engine: StageEngine, tokens: int = 16) -> tuple[list[int], list[int]]:
+    """A prompt whose greedy output the request-local source drafts correctly at least twice, found by
+    replaying what the proposer would see (a random model copies only by chance)."""
+    for seed in range(200):
+        rng = np.random.default_rng(seed)
+        motif = [int(t) for t in rng.integers(3, 500, size=4)]
+        prompt = [*motif, *rng.integers(3, 500, size=2).tolist(), *motif, *motif[:2]]
+        expected = generate(engine, prompt, SamplingParams(max_tokens=tokens)).token_ids
+        hits = 0
+        for i in range(1, tokens):
+            _, proposal = SuffixAutomaton([*prompt, *expected[:i]]).propose(1, min_match=2)
+            hits += proposal == expected[i : i + 1]
+        if hits >= 2:
+            return prompt, expected
+    raise AssertionError("no prompt among 200 makes the tiny model repeat itself")
+
+
+async def _serving(address: str, timeout: float = 60) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    async with grpc.aio.insecure_channel(address) as channel:
+        while time.monotonic() < deadline:
+            try:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.2)
+    raise TimeoutError(f"{address} not serving")
+
+
 def _draft_service(listen: str, redis_url: str, tmp_path: Path, name: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "cascadia.cli", "draft", "--listen", listen, "--redis", redis_url, "--warmup", "4"]
     log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 (lives as long as the process)
@@ -300,8 +334,9 @@ def test_router_with_a_draft_service_verifies_drafts_and_keeps_greedy_ids(tiny, 
     draft = _draft_service(draft_addr, url, tmp_path, "draft")
     engine = StageEngine(load_stage(tiny, 0, load_shape(tiny).num_layers), EngineSettings())
     rng = np.random.default_rng(11)
-    requests = []
-    for i in range(4):
+    repeating, repeating_out = _prompt_whose_output_repeats(engine, 20)
+    requests = [("r0", repeating, repeating_out)]
+    for i in range(1, 4):
         motif = [int(t) for t in rng.integers(3, 500, size=6)]
         prompt = [*motif, *rng.integers(3, 500, size=2).tolist(), *motif, *motif[:3]]
         requests.append((f"r{i}", prompt, generate(engine, prompt, SamplingParams(max_tokens=20)).token_ids))
@@ -321,6 +356,7 @@ def test_router_with_a_draft_service_verifies_drafts_and_keeps_greedy_ids(tiny, 
                 except grpc.aio.AioRpcError:
                     pass
                 await asyncio.sleep(0.2)
+            await _serving(draft_addr)
 
             async def one(rid, prompt, off=False):
                 message = pb.GenerateRequest(request_id=rid, prompt_ids=prompt, max_tokens=20, speculation_off=off)
@@ -375,3 +411,79 @@ def test_a_draft_model_with_another_tokenizer_proposes_what_the_target_would_say
     assert rounds <= 5
     proposer.forget("s", share=False)
     assert drafter.engine.streams == []
+
+
+@pytest.mark.slow
+def test_redis_and_draft_service_faults_never_fail_a_request(tiny, redis_server, tmp_path):
+    """Redis stopped and restarted, the draft service killed with SIGKILL and restarted: every request
+    still completes with its greedy ids, and speculative rounds resume once the draft service is back."""
+    import grpc
+
+    from cascadia.router.local import LocalFleet
+    from cascadia.shard.service import pb, rpc
+
+    url, redis_process = redis_server
+    redis_port = url.split(":")[2].split("/")[0]
+    draft_addr = f"127.0.0.1:{free_port()}"
+    draft = _draft_service(draft_addr, url, tmp_path, "draft")
+    engine = StageEngine(load_stage(tiny, 0, load_shape(tiny).num_layers), EngineSettings())
+    prompt, expected = _prompt_whose_output_repeats(engine)
+    fleet = LocalFleet(tiny, 2)
+    fleet.start(tmp_path)
+    port = free_port()
+    fleet.start_router(port, tmp_path / "router.log", "--max-draft", "5", "--draft", draft_addr)
+    restarted: list[subprocess.Popen] = []
+
+    async def go():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = rpc.RouterStub(channel)
+            for _ in range(300):
+                try:
+                    stats = await stub.Stats(pb.StatsRequest(), timeout=1)
+                    if stats.stage_serving and all(stats.stage_serving):
+                        break
+                except grpc.aio.AioRpcError:
+                    pass
+                await asyncio.sleep(0.2)
+
+            async def one(rid: str) -> list[int]:
+                message = pb.GenerateRequest(request_id=rid, prompt_ids=prompt, max_tokens=16)
+                return [e.token async for e in stub.Generate(message, timeout=120)]
+
+            async def round_of(tag: str) -> int:
+                outs = await asyncio.gather(*(one(f"{tag}-{i}") for i in range(3)))
+                assert all(out == expected for out in outs), tag
+                return (await stub.Stats(pb.StatsRequest(), timeout=5)).verify_rounds
+
+            await _serving(draft_addr)
+            rounds = {"healthy": await round_of("healthy")}
+            redis_process.terminate()
+            redis_process.wait(10)
+            rounds["redis down"] = await round_of("redis-down")
+            cmd = ["redis-server", "--port", redis_port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+            restarted.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            await asyncio.sleep(0.5)
+            rounds["redis back"] = await round_of("redis-back")
+            draft.kill()
+            draft.wait(10)
+            rounds["draft down"] = await round_of("draft-down")
+            restarted.append(_draft_service(draft_addr, url, tmp_path, "draft-again"))
+            await _serving(draft_addr)
+            for attempt in range(10):  # the router's channel reconnects on its own schedule
+                rounds["draft back"] = await round_of(f"draft-back-{attempt}")
+                if rounds["draft back"] > rounds["draft down"]:
+                    break
+            return rounds
+
+    try:
+        rounds = asyncio.run(go())
+    finally:
+        fleet.stop()
+        for process in [draft, *restarted]:
+            if process.poll() is None:
+                process.terminate()
+                process.wait(10)
+    assert rounds["healthy"] > 0
+    assert rounds["redis down"] > rounds["healthy"]  # request-local drafting goes on without Redis
+    assert rounds["draft down"] == rounds["redis back"]  # no draft service, no rounds, no failures
+    assert rounds["draft back"] > rounds["draft down"]
