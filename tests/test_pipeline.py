@@ -136,7 +136,8 @@ def test_malformed_frames_are_refused_and_the_shard_keeps_serving(fleet_of, solo
     assert [r.tokens for r in results] == [solo(r) for r in requests]
 
 
-def test_a_killed_middle_shard_fails_its_requests_within_seconds_naming_the_stage(fleet_of):
+@pytest.mark.parametrize("stage", [1, 2], ids=["middle", "last"])
+def test_a_killed_shard_fails_its_requests_within_seconds_naming_the_stage(fleet_of, stage):
     fleet = fleet_of(3)
     long = [Request(f"k{i}", (1, 2, 3), SamplingParams(max_tokens=100_000 // 100)) for i in range(4)]
 
@@ -146,7 +147,7 @@ def test_a_killed_middle_shard_fails_its_requests_within_seconds_naming_the_stag
         await driver.wait_ready()
         tasks = [asyncio.ensure_future(driver.generate(r)) for r in long]
         await asyncio.sleep(1.0)
-        fleet.kill(1)
+        fleet.kill(stage)
         killed_at = time.monotonic()
         results = await asyncio.gather(*tasks, return_exceptions=True)
         elapsed = time.monotonic() - killed_at
@@ -155,9 +156,9 @@ def test_a_killed_middle_shard_fails_its_requests_within_seconds_naming_the_stag
 
     results, elapsed = asyncio.run(go())
     assert all(isinstance(r, RequestFailed) for r in results)
-    assert all("stage 1" in str(r) for r in results), [str(r) for r in results]
+    assert all(f"stage {stage}" in str(r) for r in results), [str(r) for r in results]
     assert elapsed < 10
-    assert fleet.dead() == [(1, -9)]
+    assert fleet.dead() == [(stage, -9)]
 
 
 def test_router_process_streams_tokens_cancels_and_reports_stats(fleet_of, solo, tmp_path):
