@@ -19,6 +19,7 @@ from cascadia.router.local import LocalFleet
 from cascadia.router.pipeline import PipelineDriver, RequestFailed
 from cascadia.router.scheduler import Request, SchedulerConfig
 from cascadia.shard.service import pb, rpc
+from tests.helpers import router_ready
 
 pytestmark = pytest.mark.slow
 
@@ -172,14 +173,7 @@ def test_router_process_streams_tokens_cancels_and_reports_stats(fleet_of, solo,
     async def go():
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = rpc.RouterStub(channel)
-            for _ in range(200):
-                try:
-                    stats = await stub.Stats(pb.StatsRequest(), timeout=1)
-                    if all(stats.stage_serving) and stats.stage_serving:
-                        break
-                except grpc.aio.AioRpcError:
-                    pass
-                await asyncio.sleep(0.2)
+            await router_ready(stub)
             tokens = [
                 e.token
                 async for e in stub.Generate(

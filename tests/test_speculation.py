@@ -27,6 +27,7 @@ from cascadia.engine.speculation import accept_draft
 from cascadia.model.loader import load_shape, load_stage
 from cascadia.router.local import free_port
 from cascadia.router.scheduler import Request, Scheduler, SchedulerConfig, draft_length
+from tests.helpers import router_ready, serving
 
 # -- acceptance -------------------------------------------------------------------------------------
 
@@ -206,23 +207,6 @@ def _prompt_whose_output_repeats(engine: StageEngine, tokens: int = 16) -> tuple
     raise AssertionError("no prompt among 200 makes the tiny model repeat itself")
 
 
-async def _serving(address: str, timeout: float = 60) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout
-    async with grpc.aio.insecure_channel(address) as channel:
-        while time.monotonic() < deadline:
-            try:
-                reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.aio.AioRpcError:
-                pass
-            await asyncio.sleep(0.2)
-    raise TimeoutError(f"{address} not serving")
-
-
 def _draft_service(listen: str, redis_url: str, tmp_path: Path, name: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "cascadia.cli", "draft", "--listen", listen, "--redis", redis_url, "--warmup", "4"]
     log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 (lives as long as the process)
@@ -348,15 +332,8 @@ def test_router_with_a_draft_service_verifies_drafts_and_keeps_greedy_ids(tiny, 
     async def go():
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = rpc.RouterStub(channel)
-            for _ in range(300):
-                try:
-                    stats = await stub.Stats(pb.StatsRequest(), timeout=1)
-                    if stats.stage_serving and all(stats.stage_serving):
-                        break
-                except grpc.aio.AioRpcError:
-                    pass
-                await asyncio.sleep(0.2)
-            await _serving(draft_addr)
+            await router_ready(stub)
+            await serving(draft_addr)
 
             async def one(rid, prompt, off=False):
                 message = pb.GenerateRequest(request_id=rid, prompt_ids=prompt, max_tokens=20, speculation_off=off)
@@ -437,14 +414,7 @@ def test_redis_and_draft_service_faults_never_fail_a_request(tiny, redis_server,
     async def go():
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = rpc.RouterStub(channel)
-            for _ in range(300):
-                try:
-                    stats = await stub.Stats(pb.StatsRequest(), timeout=1)
-                    if stats.stage_serving and all(stats.stage_serving):
-                        break
-                except grpc.aio.AioRpcError:
-                    pass
-                await asyncio.sleep(0.2)
+            await router_ready(stub)
 
             async def one(rid: str) -> list[int]:
                 message = pb.GenerateRequest(request_id=rid, prompt_ids=prompt, max_tokens=16)
@@ -455,7 +425,7 @@ def test_redis_and_draft_service_faults_never_fail_a_request(tiny, redis_server,
                 assert all(out == expected for out in outs), tag
                 return (await stub.Stats(pb.StatsRequest(), timeout=5)).verify_rounds
 
-            await _serving(draft_addr)
+            await serving(draft_addr)
             rounds = {"healthy": await round_of("healthy")}
             redis_process.terminate()
             redis_process.wait(10)
@@ -468,7 +438,7 @@ def test_redis_and_draft_service_faults_never_fail_a_request(tiny, redis_server,
             draft.wait(10)
             rounds["draft down"] = await round_of("draft-down")
             restarted.append(_draft_service(draft_addr, url, tmp_path, "draft-again"))
-            await _serving(draft_addr)
+            await serving(draft_addr)
             for attempt in range(10):  # the router's channel reconnects on its own schedule
                 rounds["draft back"] = await round_of(f"draft-back-{attempt}")
                 if rounds["draft back"] > rounds["draft down"]:

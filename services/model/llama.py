@@ -9,6 +9,7 @@ Hugging Face order here, so one graph (rotate-half RoPE) serves both sources.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,32 +187,61 @@ def _experts(gate: Weight, up: Weight, down: Weight, width: int) -> ExpertWeight
     )
 
 
+# Each layer tensor's name in the two sources, by role
+GGUF_LAYER = {
+    "input_norm": "blk.{i}.attn_norm.weight",
+    "q": "blk.{i}.attn_q.weight",
+    "k": "blk.{i}.attn_k.weight",
+    "v": "blk.{i}.attn_v.weight",
+    "o": "blk.{i}.attn_output.weight",
+    "post_norm": "blk.{i}.ffn_norm.weight",
+    "gate": "blk.{i}.ffn_gate.weight",
+    "up": "blk.{i}.ffn_up.weight",
+    "down": "blk.{i}.ffn_down.weight",
+}
+HF_LAYER = {
+    "input_norm": "model.layers.{i}.input_layernorm.weight",
+    "q": "model.layers.{i}.self_attn.q_proj.weight",
+    "k": "model.layers.{i}.self_attn.k_proj.weight",
+    "v": "model.layers.{i}.self_attn.v_proj.weight",
+    "o": "model.layers.{i}.self_attn.o_proj.weight",
+    "post_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "gate": "model.layers.{i}.mlp.gate_proj.weight",
+    "up": "model.layers.{i}.mlp.up_proj.weight",
+    "down": "model.layers.{i}.mlp.down_proj.weight",
+}
+
+
+def _read_layer(
+    get: Callable[[str, tuple[int, ...]], Weight], names: dict[str, str], shape: ModelShape, i: int, gguf: bool
+) -> LlamaLayerWeights:
+    a = shape.attention[0]
+    h, w = shape.hidden_size, shape.intermediate_size
+
+    def read(role: str, dims: tuple[int, ...]) -> Weight:
+        return get(names[role].format(i=i), dims)
+
+    q, k = read("q", (a.q_width, h)), read("k", (a.kv_width, h))
+    if gguf:
+        q, k = _unpermute_rotary(q, a.num_heads), _unpermute_rotary(k, a.num_kv_heads)
+    return LlamaLayerWeights(
+        index=i,
+        input_norm=read("input_norm", (h,)),  # type: ignore[arg-type]
+        q_proj=q,
+        k_proj=k,
+        v_proj=read("v", (a.kv_width, h)),
+        o_proj=read("o", (h, a.q_width)),
+        post_attention_norm=read("post_norm", (h,)),  # type: ignore[arg-type]
+        experts=_experts(read("gate", (w, h)), read("up", (w, h)), read("down", (h, w)), w),
+    )
+
+
 def load_gguf_stage(path: Path, start: int, end: int) -> StageWeights:
     gguf = GgufFile(path)
     shape = shape_from_gguf(gguf)
     _check_range(shape, start, end)
-    a = shape.attention[0]
-    h, w = shape.hidden_size, shape.intermediate_size
-    layers = []
-    for i in range(start, end):
-        p = f"blk.{i}."
-        layers.append(
-            LlamaLayerWeights(
-                index=i,
-                input_norm=gguf.weight(p + "attn_norm.weight", (h,)),
-                q_proj=_unpermute_rotary(gguf.weight(p + "attn_q.weight", (a.q_width, h)), a.num_heads),
-                k_proj=_unpermute_rotary(gguf.weight(p + "attn_k.weight", (a.kv_width, h)), a.num_kv_heads),
-                v_proj=gguf.weight(p + "attn_v.weight", (a.kv_width, h)),
-                o_proj=gguf.weight(p + "attn_output.weight", (h, a.q_width)),
-                post_attention_norm=gguf.weight(p + "ffn_norm.weight", (h,)),
-                experts=_experts(
-                    gguf.weight(p + "ffn_gate.weight", (w, h)),
-                    gguf.weight(p + "ffn_up.weight", (w, h)),
-                    gguf.weight(p + "ffn_down.weight", (h, w)),
-                    w,
-                ),
-            )
-        )
+    h = shape.hidden_size
+    layers = tuple(_read_layer(gguf.weight, GGUF_LAYER, shape, i, gguf=True) for i in range(start, end))
     embed = final_norm = head = None
     needs_table = start == 0 or (end == shape.num_layers and shape.tie_word_embeddings)
     table = gguf.weight("token_embd.weight", (shape.vocab_size, h)) if needs_table else None
@@ -220,36 +250,16 @@ def load_gguf_stage(path: Path, start: int, end: int) -> StageWeights:
     if end == shape.num_layers:
         final_norm = gguf.weight("output_norm.weight", (h,))
         head = table if shape.tie_word_embeddings else gguf.weight("output.weight", (shape.vocab_size, h))
-    return StageWeights(shape, start, end, tuple(layers), embed, None, final_norm, head)  # type: ignore[arg-type]
+    return StageWeights(shape, start, end, layers, embed, None, final_norm, head)  # type: ignore[arg-type]
 
 
 def load_hf_stage(model_dir: Path, start: int, end: int) -> StageWeights:
     shape = shape_from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
     _check_range(shape, start, end)
-    a = shape.attention[0]
-    h, w = shape.hidden_size, shape.intermediate_size
+    h = shape.hidden_size
     with ExitStack() as stack:
         source = TensorSource(model_dir, stack)
-        layers = []
-        for i in range(start, end):
-            p = f"model.layers.{i}."
-            layers.append(
-                LlamaLayerWeights(
-                    index=i,
-                    input_norm=source.get(p + "input_layernorm.weight", (h,)),
-                    q_proj=source.get(p + "self_attn.q_proj.weight", (a.q_width, h)),
-                    k_proj=source.get(p + "self_attn.k_proj.weight", (a.kv_width, h)),
-                    v_proj=source.get(p + "self_attn.v_proj.weight", (a.kv_width, h)),
-                    o_proj=source.get(p + "self_attn.o_proj.weight", (h, a.q_width)),
-                    post_attention_norm=source.get(p + "post_attention_layernorm.weight", (h,)),
-                    experts=_experts(
-                        source.get(p + "mlp.gate_proj.weight", (w, h)),
-                        source.get(p + "mlp.up_proj.weight", (w, h)),
-                        source.get(p + "mlp.down_proj.weight", (h, w)),
-                        w,
-                    ),
-                )
-            )
+        layers = tuple(_read_layer(source.get, HF_LAYER, shape, i, gguf=False) for i in range(start, end))
         embed = final_norm = head = None
         if start == 0:
             embed = source.get("model.embed_tokens.weight", (shape.vocab_size, h))
@@ -259,7 +269,7 @@ def load_hf_stage(model_dir: Path, start: int, end: int) -> StageWeights:
                 head = source.get("model.embed_tokens.weight", (shape.vocab_size, h))
             else:
                 head = source.get("lm_head.weight", (shape.vocab_size, h))
-    return StageWeights(shape, start, end, tuple(layers), embed, None, final_norm, head)  # type: ignore[arg-type]
+    return StageWeights(shape, start, end, layers, embed, None, final_norm, head)  # type: ignore[arg-type]
 
 
 def _check_range(shape: ModelShape, start: int, end: int) -> None:

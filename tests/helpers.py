@@ -1,0 +1,39 @@
+"""Waiting for real gRPC services in tests: the router's whole chain, any standard health service."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cascadia.shard.service import pb
+
+
+async def router_ready(stub, attempts: int = 300) -> None:
+    """Until the router reports every stage serving."""
+    for _ in range(attempts):
+        try:
+            stats = await stub.Stats(pb.StatsRequest(), timeout=1)
+            if stats.stage_serving and all(stats.stage_serving):
+                return
+        except grpc.aio.AioRpcError:
+            pass
+        await asyncio.sleep(0.2)
+    raise TimeoutError("the router's chain never became ready")
+
+
+async def serving(address: str, timeout: float = 60) -> None:
+    """Until the standard health service at `address` says SERVING."""
+    deadline = time.monotonic() + timeout
+    async with grpc.aio.insecure_channel(address) as channel:
+        while time.monotonic() < deadline:
+            try:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.2)
+    raise TimeoutError(f"{address} not serving")
