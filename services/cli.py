@@ -759,12 +759,16 @@ def bench_spec(
     repeats: Annotated[int, typer.Option(min=1, help="Requests per family and mode (median reported).")] = 3,
     streams: Annotated[int, typer.Option(min=1, help="Concurrent streams for the aggregate rate.")] = 32,
     max_draft: Annotated[int, typer.Option(min=1, max=31)] = DEFAULT_MAX_DRAFT,
+    rows_per_group: Annotated[int, typer.Option(min=2, help="Rows per pipeline group (a verify block's limit).")] = 8,
 ) -> None:
     """Per-request speedup and acceptance of speculative decoding by prompt family, and the aggregate rate."""
     from cascadia.bench.spec import SpecBenchConfig, run_spec_bench
 
+    if max_draft >= rows_per_group:
+        raise fail(f"--max-draft {max_draft} must be below --rows-per-group {rows_per_group}")
     path = resolve_model(model)
-    summary = run_spec_bench(SpecBenchConfig(path, out, shards, new_tokens, repeats, streams, max_draft), err)
+    config = SpecBenchConfig(path, out, shards, new_tokens, repeats, streams, max_draft, rows_per_group)
+    summary = run_spec_bench(config, err)
     speedups = {f: round(r["speedup"], 3) for f, r in summary["families"].items()}
     sys.stdout.write(json.dumps({"speedup": speedups, "aggregate": summary["aggregate"]}) + "\n")
 

@@ -45,6 +45,7 @@ class SpecBenchConfig:
     repeats: int = 3
     streams: int = 32
     max_draft: int = 7
+    rows_per_group: int = 8
 
 
 async def _one(driver, rid: str, prompt: list[int], new_tokens: int, speculate: bool) -> dict[str, float]:
@@ -116,7 +117,12 @@ def run_spec_bench(config: SpecBenchConfig, console: Console) -> dict[str, Any]:
     fleet.start(log_dir=config.out)
 
     async def go() -> dict[str, Any]:
-        scheduler = SchedulerConfig(stages=config.shards, max_draft=config.max_draft, max_streams=config.streams)
+        scheduler = SchedulerConfig(
+            stages=config.shards,
+            rows_per_group=config.rows_per_group,
+            max_draft=config.max_draft,
+            max_streams=config.streams,
+        )
         driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, scheduler, 600, LocalProposer())
         await driver.start()
         try:
@@ -131,7 +137,14 @@ def run_spec_bench(config: SpecBenchConfig, console: Console) -> dict[str, Any]:
         results = asyncio.run(go())
     finally:
         fleet.stop()
-    summary = {"model": config.model.name, "shards": config.shards, "new_tokens": config.new_tokens, **results}
+    summary = {
+        "model": config.model.name,
+        "shards": config.shards,
+        "new_tokens": config.new_tokens,
+        "max_draft": config.max_draft,
+        "rows_per_group": config.rows_per_group,
+        **results,
+    }
     (config.out / "spec.json").write_text(json.dumps(summary, indent=2) + "\n")
     _plot(summary, config.out / "spec.png")
     return summary
