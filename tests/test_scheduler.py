@@ -122,3 +122,20 @@ def test_scheduled_frames_through_an_engine_give_each_stream_the_ids_it_gets_alo
                     engine.close(event.stream)
     assert got == alone
     assert engine.streams == []
+
+
+def test_decoding_streams_spread_over_one_frame_per_stage():
+    from cascadia.router.scheduler import decode_rows_per_frame
+
+    assert decode_rows_per_frame(8, 3, 8) == 3
+    assert decode_rows_per_frame(88, 11, 8) == 8
+    assert decode_rows_per_frame(176, 11, 8) == 8  # never more than a group
+    assert decode_rows_per_frame(1, 4, 8) == 1
+    s = Scheduler(SchedulerConfig(stages=3, rows_per_group=8, prefill_window=8))
+    s.set_chain_ready(True)
+    for i in range(8):
+        s.submit(request(f"r{i}", 1))
+    (prefill,) = s.next_frames()  # all 8 one-token prompts fit one group
+    s.on_frame_done(prefill.id, {f"r{i}": 5 for i in range(8)})
+    frames = s.next_frames()
+    assert sorted(f.size for f in frames) == [2, 3, 3]  # every stage gets work

@@ -119,6 +119,12 @@ class Verified:
     accepted: int
 
 
+def decode_rows_per_frame(decoding: int, stages: int, rows_per_group: int) -> int:
+    """Decode rows one frame carries: the decoding streams spread over one frame per stage, so that every
+    stage has work (8 streams on 3 stages go as 3, 3 and 2), and never more than a group."""
+    return max(1, min(rows_per_group, -(-decoding // stages)))
+
+
 def speculable(request: Request) -> bool:
     """Penalties depend on every sampled token and a seed promises the same sample path on every run:
     neither survives verifying drafts, so those requests decode one token at a time."""
@@ -271,7 +277,9 @@ class Scheduler:
         rows: list[Row] = []
         rewinds: list[tuple[RequestId, int]] = []
         ready = [s for s in self._active.values() if not s.busy]
-        for stream in [s for s in ready if not s.prefilling]:  # decode rows first
+        decoding = sum(1 for s in self._active.values() if not s.prefilling)
+        decode_cap = decode_rows_per_frame(decoding, self.config.stages, self.config.rows_per_group)
+        for stream in [s for s in ready if not s.prefilling][:decode_cap]:  # decode rows first
             if budget == 0:
                 break
             draft = stream.draft[: budget - 1]
