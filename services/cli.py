@@ -452,7 +452,9 @@ def probe(
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    from cascadia import tls
+
+    with tls.blocking_channel(address) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
         except grpc.RpcError as exc:
@@ -484,6 +486,10 @@ def up(
     draft_model: Annotated[
         str | None, typer.Option(help="A small draft model for the draft service (pays when far smaller).")
     ] = None,
+    tls_dir: Annotated[
+        Path | None,
+        typer.Option(help="Mutual TLS between every role: a directory with ca.pem, cert.pem, key.pem."),
+    ] = None,
 ) -> None:
     """The whole fleet on this machine: shard processes, router, draft service, Redis and gateway, until Ctrl-C."""
     import signal
@@ -498,6 +504,16 @@ def up(
         raise fail(f"--precision '{precision}' is not one of {', '.join(PRECISION_PRESETS)}")
     if speculation not in ("on", "off"):
         raise fail(f"--speculation '{speculation}' is not one of on, off")
+    if tls_dir is not None:
+        import os
+
+        from cascadia.tls import ENV, Tls, TlsError
+
+        try:
+            Tls.from_dir(tls_dir)
+        except TlsError as exc:
+            raise fail(str(exc)) from None
+        os.environ[ENV] = str(tls_dir.resolve())  # every child reads it
     try:
         local_ranges(model_dir, shards)
     except ValueError as exc:

@@ -9,6 +9,7 @@ from typing import Protocol
 
 import grpc
 
+from cascadia import tls
 from cascadia.draft.proposer import HybridProposer
 from cascadia.protos import load
 
@@ -87,7 +88,7 @@ class DraftClient:
     @property
     def stub(self):
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.address)
+            self._channel = tls.channel(self.address)
         return rpc.DraftStub(self._channel)
 
     async def close(self) -> None:

@@ -8,6 +8,7 @@ import logging
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from cascadia import tls
 from cascadia.draft.proposer import HybridProposer
 from cascadia.protos import load
 
@@ -58,7 +59,7 @@ async def serve(proposer: HybridProposer, listen: str) -> None:
     rpc.add_DraftServicer_to_server(DraftServicer(proposer), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    server.add_insecure_port(listen)
+    tls.add_port(server, listen)
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     log.info("draft service on %s (shared contexts: %s)", listen, "on" if proposer.shared else "off")

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cascadia import tls
 from cascadia.engine.sampling import SamplingParams
 from cascadia.gateway.errors import ApiError
 from cascadia.protos import load
@@ -41,7 +42,7 @@ class RouterClient:
     def _connect(self) -> grpc.aio.Channel:
         # an aio channel belongs to the event loop it was made in: make it inside the server's loop
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.address)
+            self._channel = tls.channel(self.address)
             self._stub = rpc.RouterStub(self._channel)
             self._health = health_pb2_grpc.HealthStub(self._channel)
         return self._channel

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cascadia import tls
 from cascadia.draft.client import Proposer
 from cascadia.router.scheduler import Emitted, Frame, Request, Scheduler, SchedulerConfig
 from cascadia.shard.service import CHANNEL_OPTIONS, pb, rpc
@@ -77,9 +78,9 @@ class PipelineDriver:
     async def start(self) -> None:
         self._server = grpc.aio.server(options=CHANNEL_OPTIONS)
         rpc.add_CollectorServicer_to_server(_Collector(self), self._server)
-        self._server.add_insecure_port(self.listen)
+        tls.add_port(self._server, self.listen)
         await self._server.start()
-        self._channels = [grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS) for a in self.stage_addrs]
+        self._channels = [tls.channel(a, CHANNEL_OPTIONS) for a in self.stage_addrs]
         self._first = rpc.ShardStub(self._channels[0])
         self._watchdog = asyncio.create_task(self._watch())
 

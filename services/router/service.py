@@ -9,6 +9,7 @@ import logging
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from cascadia import tls
 from cascadia.router.pipeline import PipelineDriver
 from cascadia.router.scheduler import Overloaded, Request
 from cascadia.shard.service import CHANNEL_OPTIONS, pb, rpc
@@ -73,7 +74,7 @@ async def serve(driver: PipelineDriver, listen: str) -> None:
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-    server.add_insecure_port(listen)
+    tls.add_port(server, listen)
     await server.start()
     log.info("router on %s, waiting for %d stages", listen, len(driver.stage_addrs))
     try:

@@ -16,6 +16,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from cascadia import tls
 from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.sampling import SamplingParams, apply_penalties, choose, log_softmax
@@ -247,10 +248,10 @@ async def serve(engine: StageEngine, stage: int, listen: str, next_addr: str | N
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-    server.add_insecure_port(listen)
+    tls.add_port(server, listen)
     await server.start()
     target = next_addr or reply_to
-    channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+    channel = tls.channel(target, CHANNEL_OPTIONS)
     if next_addr:
         servicer.next_stub = rpc.ShardStub(channel)
     else:
