@@ -43,6 +43,32 @@ PRESET_CONFIGS: dict[str, dict] = {
         "num_experts_per_tok": 6,
         "n_shared_experts": 2,
     },
+    # Inkling-Small, 276B total / 12B active, as its published config describes it.
+    "inkling-small-276b": {
+        "vocab_size": 201024,
+        "unpadded_vocab_size": 200058,
+        "hidden_size": 4096,
+        "num_hidden_layers": 42,
+        "dense_mlp_idx": 2,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "swa_num_attention_heads": 32,
+        "swa_num_key_value_heads": 8,
+        "swa_head_dim": 128,
+        "sliding_window_size": 512,
+        "rel_extent": 1024,
+        "d_rel": 16,
+        "intermediate_size": 16384,
+        "moe_intermediate_size": 2048,
+        "n_routed_experts": 256,
+        "num_experts_per_tok": 6,
+        "n_shared_experts": 2,
+        "logits_mup_width_multiplier": 16.0,
+        "log_scaling_n_floor": 128000,
+        "log_scaling_alpha": 0.1,
+        "max_position_embeddings": 1048576,
+    },
 }
 
 

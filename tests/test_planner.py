@@ -142,3 +142,20 @@ def test_plan_command_prints_json_for_the_975b_preset():
         timeout=120,
     )
     assert bad.returncode == 2 and "exceed" in bad.stderr
+
+
+def test_the_small_preset_has_inklings_shape_at_a_quarter_of_the_size():
+    small, large = preset_shape("inkling-small-276b"), preset_shape("inkling-975b")
+
+    def billions(shape, count) -> float:
+        return (sum(count(i) for i in range(shape.num_layers)) + 2 * shape.vocab_size * shape.hidden_size) / 1e9
+
+    # the text model alone (no MTP head, no vision or audio towers): a few percent under the headline figures
+    assert 250 < billions(small, small.layer_parameter_count) < 276
+    assert 11.5 < billions(small, small.active_layer_parameter_count) < 12.5
+    assert [i for i, a in enumerate(small.attention) if a.kind == "global"] == [5, 11, 17, 23, 29, 35, 41]
+    assert small.is_dense(1) and not small.is_dense(2) and large.num_layers == 66
+    plan = plan_fleet(small, PlanRequest(tuple(f"pc-{i}" for i in range(4)), parse_size("61Gi")))
+    assert plan.ranges[0][0] == 0 and plan.ranges[-1][1] == 42
+    with pytest.raises(PlanError, match="exceed"):
+        plan_fleet(small, PlanRequest(("pc-0", "pc-1"), parse_size("61Gi"), layers_per_node=21))
