@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from cascadia.operator import GROUP, KIND, PLURAL, VERSION
+from cascadia.planner import PRESET_CONFIGS
 
 PRECISIONS = ["f32", "bf16", "f16", "int8", "int4"]
 WEIGHT_FORMATS = ["f32", "f16", "int8", "int4"]
@@ -66,7 +67,7 @@ SPEC = _object(
         "model": _object(
             "The checkpoint and its shape.",
             {
-                "preset": _string("A known model shape the planner sizes the fleet for.", enum=["inkling-975b"]),
+                "preset": _string("A known model shape the planner sizes the fleet for.", enum=sorted(PRESET_CONFIGS)),
                 "configMap": _string(
                     "Name of a ConfigMap whose key config.json holds the model's config (instead of a preset).",
                     pattern=DNS_LABEL,
