@@ -108,6 +108,7 @@ def generate(
     precision: Annotated[str, typer.Option(help="f32, bf16, f16, int8 or int4")] = "f32",
     device: Annotated[str, typer.Option(help="OpenVINO device: CPU here, GPU on the fleet.")] = "CPU",
     context: Annotated[int | None, typer.Option(help="Global-layer positions per stream.")] = None,
+    kv_precision: KvPrecisionOption = "f32",
     shards: Annotated[int, typer.Option(min=1, help="Shard processes to run the model across.")] = 1,
     speculation: Annotated[str, typer.Option(help="on or off")] = "off",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON line.")] = False,
@@ -143,7 +144,7 @@ def generate(
     if bad:
         raise fail(f"--prompt-ids: {bad[0]} is outside the vocabulary [0, {shape.unpadded_vocab_size})")
     try:
-        overrides = {"context": context} if context else {}
+        overrides = {"kv_precision": kv_precision, **({"context": context} if context else {})}
         settings = preset(precision, device=device, **overrides)
         params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens)
     except ValueError as exc:
@@ -159,7 +160,7 @@ def generate(
             local_ranges(model_dir, shards)
         except ValueError as exc:
             raise fail(str(exc)) from None
-        result = _generate_on_fleet(model_dir, shards, precision, ids, params, speculation == "on")
+        result = _generate_on_fleet(model_dir, shards, precision, ids, params, speculation == "on", settings)
     text = codec.decode(result.token_ids) if codec is not None else ""
     if as_json:
         line = {
@@ -177,7 +178,7 @@ def generate(
         )
 
 
-def _generate_on_fleet(model_dir: Path, shards: int, precision: str, ids: list[int], params, speculate: bool):
+def _generate_on_fleet(model_dir: Path, shards: int, precision: str, ids: list[int], params, speculate: bool, settings):
     import asyncio
     import time
 
@@ -186,7 +187,7 @@ def _generate_on_fleet(model_dir: Path, shards: int, precision: str, ids: list[i
     from cascadia.router.pipeline import PipelineDriver, RequestFailed
     from cascadia.router.scheduler import Request, SchedulerConfig
 
-    fleet = LocalFleet(model_dir, shards, precision)
+    fleet = LocalFleet(model_dir, shards, precision, context=settings.context, kv_precision=settings.kv_precision)
 
     async def go() -> Generation:
         config = SchedulerConfig(stages=shards, max_draft=DEFAULT_MAX_DRAFT if speculate else 0)
@@ -246,6 +247,12 @@ def shard(
     precision: Annotated[str, typer.Option(help="f32, bf16, f16, int8 or int4")] = "f32",
     device: Annotated[str, typer.Option(help="OpenVINO device.")] = "CPU",
     context: Annotated[int | None, typer.Option(help="Global-layer positions per stream.")] = None,
+    kv_precision: KvPrecisionOption = "f32",
+    memory: Annotated[
+        str | None,
+        typer.Option(help="Memory this shard may use, e.g. 48Gi: reports (and checks) the context that fits."),
+    ] = None,
+    streams: Annotated[int, typer.Option(min=1, help="Streams the memory check sizes the KV for.")] = 88,
 ) -> None:
     """Serve one contiguous layer range as a stage of the chain."""
     import logging
@@ -270,10 +277,13 @@ def shard(
         shape = load_shape(model_dir)
         if (end == shape.num_layers) != (reply_to is not None):
             raise fail(f"--layers {layers}: only the stage ending at layer {shape.num_layers} takes --reply-to")
-        settings = preset(precision, device=device, **({"context": context} if context else {}))
+        overrides = {"kv_precision": kv_precision, **({"context": context} if context else {})}
+        settings = preset(precision, device=device, **overrides)
         engine = load_engine(model_dir, settings, start, end)
     except (ConfigError, CheckpointError, ValueError) as exc:
         raise fail(str(exc)) from None
+    if memory is not None:
+        _check_context_fits(engine, memory, streams)
     from cascadia.shard.service import serve
 
     run_until_signal(serve(engine, stage, listen, next_addr, reply_to))
@@ -373,6 +383,7 @@ ApiKeysFile = Annotated[
     typer.Option(exists=True, dir_okay=False, help="File of API keys, one per line (also $CASCADIA_API_KEYS)."),
 ]
 MaxContext = Annotated[int, typer.Option(min=2, help="Positions per request: prompt plus generated tokens.")]
+KvPrecisionOption = Annotated[str, typer.Option(help="Keys and values kept as f32 or f16 (half the memory).")]
 MaxConcurrentPerKey = Annotated[int, typer.Option(min=0, help="Requests in flight per API key (0: no limit).")]
 
 
@@ -490,6 +501,7 @@ def up(
         Path | None,
         typer.Option(help="Mutual TLS between every role: a directory with ca.pem, cert.pem, key.pem."),
     ] = None,
+    kv_precision: KvPrecisionOption = "f32",
 ) -> None:
     """The whole fleet on this machine: shard processes, router, draft service, Redis and gateway, until Ctrl-C."""
     import signal
@@ -504,6 +516,8 @@ def up(
         raise fail(f"--precision '{precision}' is not one of {', '.join(PRECISION_PRESETS)}")
     if speculation not in ("on", "off"):
         raise fail(f"--speculation '{speculation}' is not one of on, off")
+    if kv_precision not in ("f32", "f16"):
+        raise fail(f"--kv-precision '{kv_precision}' is not one of f32, f16")
     if tls_dir is not None:
         import os
 
@@ -523,7 +537,7 @@ def up(
     # SIGTERM (a service manager, a test) stops the fleet like Ctrl-C: children must not outlive us
     signal.signal(signal.SIGTERM, _interrupt)
     # the shards hold what the gateway admits: prompt plus generated tokens per stream
-    fleet = LocalFleet(model_dir, shards, precision, context=max_context)
+    fleet = LocalFleet(model_dir, shards, precision, context=max_context, kv_precision=kv_precision)
     gateway_proc: subprocess.Popen | None = None
     reported: list[subprocess.Popen] = []
     code = 0
@@ -571,6 +585,32 @@ def up(
                 gateway_proc.kill()
         fleet.stop()
     raise typer.Exit(code)
+
+
+def _check_context_fits(engine, memory: str, streams: int) -> None:
+    """The start-up probe: how many positions per stream the memory left after loading holds."""
+    import logging
+
+    import psutil
+
+    from cascadia.planner import PlanError, parse_size, positions_that_fit
+
+    try:
+        budget = parse_size(memory)
+    except PlanError as exc:
+        raise fail(f"--memory: {exc}") from None
+    used = psutil.Process().memory_info().rss
+    per_position = engine.kv_bytes_per_position()
+    fit = positions_that_fit(budget - used, per_position, streams)
+    logging.getLogger("cascadia.shard").info(
+        "KV: %d bytes per position per stream (%s); %d positions per stream fit for %d streams in %s",
+        per_position, engine.settings.kv_precision, fit, streams, memory,
+    )  # fmt: skip
+    if per_position and fit < engine.settings.context:
+        raise fail(
+            f"--context {engine.settings.context} does not fit: {fit} positions per stream for {streams} streams "
+            f"in --memory {memory} ({used / 2**30:.1f} GiB already used by the weights and runtime)"
+        )
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -628,6 +668,7 @@ def plan(
     head_weights: Annotated[str, typer.Option(help="f32, f16, int8 or int4")] = "int8",
     streams: Annotated[int, typer.Option(min=1, help="Streams the KV budget is sized for.")] = 88,
     context: Annotated[int, typer.Option(min=1, help="Global-layer positions per stream.")] = 1024,
+    kv_precision: KvPrecisionOption = "f32",
     node_bandwidth: Annotated[float, typer.Option(help="Memory read bandwidth per node, GB/s.")] = 100.0,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
@@ -639,6 +680,8 @@ def plan(
 
     if (model is None) == (preset_name is None):
         raise fail("give exactly one of --model and --preset")
+    if kv_precision not in ("f32", "f16"):
+        raise fail(f"--kv-precision '{kv_precision}' is not one of f32, f16")
     for flag, value in (
         ("--expert-weights", expert_weights),
         ("--attention-weights", attention_weights),
@@ -657,6 +700,7 @@ def plan(
             layers_per_node=layers_per_node,
             streams=streams,
             context=context,
+            kv_bytes={"f32": 4, "f16": 2}[kv_precision],
         )
         fleet = plan_fleet(shape, request)
     except (PlanError, ConfigError) as exc:

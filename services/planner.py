@@ -88,6 +88,7 @@ class PlanRequest:
     context: int = 1024  # global-layer positions per stream
     rewind_slack: int = 32
     runtime_overhead: int = 2 * GIB  # OpenVINO runtime, activations, buffers per node
+    kv_bytes: int = 4  # bytes per cached key or value element: 4 (f32) or 2 (f16)
 
     @classmethod
     def from_settings(cls, nodes: tuple[str, ...], node_memory: int, settings: EngineSettings, **kw) -> PlanRequest:
@@ -160,7 +161,7 @@ def layer_kv_bytes(shape: ModelShape, layer: int, request: PlanRequest) -> int:
     """State bytes one layer keeps for all planned streams: KV rows and the four conv histories."""
     a = shape.layer_attention(layer)
     positions = request.context if a.window is None else a.window - 1 + request.rewind_slack
-    kv = positions * 2 * a.kv_width * 4
+    kv = positions * 2 * a.kv_width * request.kv_bytes
     conv_rows = shape.conv_kernel_size - 1 + request.rewind_slack if shape.has_convs else 0
     conv = conv_rows * (2 * a.kv_width + 2 * shape.hidden_size) * 4
     return request.streams * (kv + conv)
@@ -320,3 +321,10 @@ def parse_size(text: str) -> int:
     if unit not in _UNITS or amount <= 0:
         raise PlanError(f"memory size '{text}' has an unknown unit or is not positive")
     return int(amount * _UNITS[unit])
+
+
+def positions_that_fit(free_bytes: int, bytes_per_position: int, streams: int) -> int:
+    """Global-layer positions per stream that `free_bytes` hold for `streams` streams (the shard's probe)."""
+    if bytes_per_position <= 0:
+        return 1 << 62  # no global layer here: the context costs nothing on this stage
+    return max(0, free_bytes // (bytes_per_position * streams))

@@ -78,3 +78,17 @@ def test_generate_names_the_bad_value(tiny, args, message):
 def test_unknown_model_path_is_named(tmp_path):
     done = cascadia("generate", "--model", str(tmp_path / "none"), "--prompt-ids", "1")
     assert done.returncode == 2 and "no such checkpoint directory" in done.stderr
+
+
+def test_shard_memory_probe_refuses_a_context_that_cannot_fit(tiny):
+    # the first stage holds global layers: 100k streams of 1024 positions cannot fit in 1 GiB
+    done = cascadia(
+        "shard", "--model", str(tiny), "--layers", "0:3", "--listen", "127.0.0.1:1", "--next", "127.0.0.1:2",
+        "--memory", "1Gi", "--streams", "100000", "--context", "1024", "--kv-precision", "f16",
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "--context 1024 does not fit" in done.stderr and "for 100000 streams in --memory 1Gi" in done.stderr
+    # f16 keys and values double what fits
+    from cascadia.planner import positions_that_fit
+
+    assert positions_that_fit(1 << 20, 64, 8) == 2048 == 2 * positions_that_fit(1 << 20, 128, 8)

@@ -164,3 +164,29 @@ def test_f16_expert_arithmetic_on_the_cpu_is_refused_with_a_reason_or_runs_close
         out.append(e.step([Segment("s", 0, 5)], rows).hidden)
     rel = np.sqrt(np.mean((out[0] - out[1]) ** 2) / np.mean(out[1] ** 2))
     assert rel < 1e-2
+
+
+def test_f16_kv_halves_the_cache_and_stays_within_a_thousandth(tiny, engine):
+    from cascadia.engine.generate import generate
+    from cascadia.engine.sampling import SamplingParams
+
+    half = StageEngine(
+        load_stage(tiny, 0, load_shape(tiny).num_layers), EngineSettings(context=256, kv_precision="f16")
+    )
+    assert half.kv_bytes_per_position() * 2 == engine.kv_bytes_per_position() > 0
+    ids = np.array([1, *range(30, 230)])  # past the sliding window and the relative extent
+    engine.open("f32-kv")
+    half.open("f16-kv")
+    full_logits = feed(engine, "f32-kv", ids, 16)
+    half_logits = feed(half, "f16-kv", ids, 16)
+    rel = np.sqrt(np.mean((half_logits - full_logits) ** 2)) / np.sqrt(np.mean(full_logits**2))
+    assert 0 < rel <= 1e-3, rel
+    for e, name in ((engine, "f32-kv"), (half, "f16-kv")):
+        e.close(name)
+    prompt = [1, 5, 9, 200, 31]
+    assert (
+        generate(half, prompt, SamplingParams(max_tokens=32)).token_ids
+        == generate(engine, prompt, SamplingParams(max_tokens=32)).token_ids
+    )
+    with pytest.raises(ValueError, match="kv_precision 'u4'"):
+        EngineSettings(kv_precision="u4")  # type: ignore[arg-type]

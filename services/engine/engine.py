@@ -76,7 +76,13 @@ class _Layer:
         split = settings.split_expert_graph
         residual_cfg = _compile_config(settings, settings.residual_compute)
         build = llama_graphs.layer_graph if shape.family == "llama" else graphs.attention_graph
-        attention_model = build(shape, weights, settings.attention_weights, None if split else settings.expert_weights)
+        attention_model = build(
+            shape,
+            weights,
+            settings.attention_weights,
+            None if split else settings.expert_weights,
+            kv_type=settings.kv_precision,
+        )
         self.attention_model = core.compile_model(attention_model, settings.device, residual_cfg)
         self.attention_request = self.attention_model.create_infer_request()
         self.expert_request = self.post_request = None
@@ -166,7 +172,12 @@ class StageEngine:
         if self.shape.family == "llama" and not settings.split_expert_graph:
             # small dense layers: one compiled model for the whole range, so a step is one call
             model = llama_graphs.stage_graph(
-                self.shape, weights.layers, settings.attention_weights, settings.expert_weights, settings.dense_ffn
+                self.shape,
+                weights.layers,
+                settings.attention_weights,
+                settings.expert_weights,
+                settings.dense_ffn,
+                kv_type=settings.kv_precision,
             )
             self._stage_model = core.compile_model(model, settings.device, residual_cfg)
             self._stage_request = self._stage_model.create_infer_request()
@@ -216,15 +227,17 @@ class StageEngine:
                 f"stream {stream!r}: context {context} exceeds this engine's budget of {self.settings.context}"
             )
         slack, kernel = self.settings.rewind_slack, self.shape.conv_kernel_size
+        kv = {"f32": "float32", "f16": "float16"}[self.settings.kv_precision]
         layers = []
         for layer in self._layers:
             a = layer.attention
             row = (a.num_kv_heads, a.head_dim)
             if a.window is None:
-                keys: RingRows | GrowingRows = GrowingRows(context, row)
-                values: RingRows | GrowingRows = GrowingRows(context, row)
+                keys: RingRows | GrowingRows = GrowingRows(context, row, dtype=kv)
+                values: RingRows | GrowingRows = GrowingRows(context, row, dtype=kv)
             else:
-                keys, values = RingRows(a.window - 1 + slack, row), RingRows(a.window - 1 + slack, row)
+                keys = RingRows(a.window - 1 + slack, row, dtype=kv)
+                values = RingRows(a.window - 1 + slack, row, dtype=kv)
             h = self.shape.hidden_size
             widths = {"k": a.kv_width, "v": a.kv_width, "o": h, "m": h} if self.shape.has_convs else {}
             convs = {name: RingRows(kernel - 1 + slack, (width,)) for name, width in widths.items()}
@@ -240,6 +253,11 @@ class StageEngine:
 
     def position(self, stream: Hashable) -> int:
         return self._stream(stream).position
+
+    def kv_bytes_per_position(self) -> int:
+        """KV bytes one more position of one stream costs on this stage (global layers; sliding ones are bounded)."""
+        itemsize = 2 if self.settings.kv_precision == "f16" else 4
+        return sum(2 * layer.attention.kv_width * itemsize for layer in self._layers if layer.attention.window is None)
 
     def stream_bytes(self, stream: Hashable) -> int:
         return self._stream(stream).nbytes

@@ -49,6 +49,11 @@ def _named(node: Node, name: str) -> Node:
     return node
 
 
+def as_f32(x: Node) -> Node:
+    """Cached keys or values kept in f16 enter the f32 arithmetic here."""
+    return x if x.get_output_element_type(0) == ov.Type.f32 else ops.convert(x, "f32")
+
+
 def rms_norm(x: Node, weight: np.ndarray, eps: float) -> Node:
     mean_square = ops.reduce_mean(ops.multiply(x, x), _i64(-1), keep_dims=True)
     inv = ops.divide(_f32(1.0), ops.sqrt(ops.add(mean_square, _f32(eps))))
@@ -75,6 +80,7 @@ def attention_graph(
     layer: LayerWeights,
     attention_fmt: WeightFormat,
     expert_fmt: WeightFormat | None,
+    kv_type: str = "f32",
 ) -> ov.Model:
     """Norm, attention with its convs, residual, post-attention norm and the FP32 router.
 
@@ -94,8 +100,8 @@ def attention_graph(
     hist_o = _param("conv_hist_o", [-1, h])
     conv_index = _param("conv_index", [-1, k], "i32")
     row_stream = _param("row_stream", [-1], "i32")
-    past_k = _param("past_k", [-1, -1, a.num_kv_heads, d])
-    past_v = _param("past_v", [-1, -1, a.num_kv_heads, d])
+    past_k = _param("past_k", [-1, -1, a.num_kv_heads, d], kv_type)
+    past_v = _param("past_v", [-1, -1, a.num_kv_heads, d], kv_type)
     step_keys = _param("step_keys", [-1, -1], "i32")
     key_mask = _param("key_mask", [-1, -1])
     key_distance = _param("key_distance", [-1, -1], "i32")
@@ -117,9 +123,10 @@ def attention_graph(
     )
 
     # each row sees its stream's cached keys, then its stream's rows of this step
-    keys = ops.concat([ops.gather(past_k, row_stream, _i64(0)), ops.gather(keys_new, step_keys, _i64(0))], 1)
+    past_keys, past_values = as_f32(past_k), as_f32(past_v)
+    keys = ops.concat([ops.gather(past_keys, row_stream, _i64(0)), ops.gather(keys_new, step_keys, _i64(0))], 1)
     values = ops.concat(
-        [ops.gather(past_v, row_stream, _i64(0)), ops.gather(values_new, step_keys, _i64(0))], 1
+        [ops.gather(past_values, row_stream, _i64(0)), ops.gather(values_new, step_keys, _i64(0))], 1
     )  # [T, L, Hkv, D]
 
     q_grouped = ops.reshape(q, _i64(0, a.num_kv_heads, groups, d), True)  # [T, Hkv, G, D]

@@ -15,7 +15,7 @@ import openvino as ov
 import openvino.opset16 as ops
 
 from cascadia.engine import graphs
-from cascadia.engine.graphs import _f32, _i64, _named, _param, linear, rms_norm
+from cascadia.engine.graphs import _f32, _i64, _named, _param, as_f32, linear, rms_norm
 from cascadia.engine.weights import WeightFormat
 from cascadia.model.config import ModelShape
 from cascadia.model.formats import join_input_columns, join_output_rows
@@ -87,8 +87,8 @@ def _layer(
     keys_new = rotate(k, shared.cos, shared.sin, d)
 
     row_stream, step_keys = shared.row_stream, shared.step_keys
-    keys = ops.concat([ops.gather(past_k, row_stream, _i64(0)), ops.gather(keys_new, step_keys, _i64(0))], 1)
-    values = ops.concat([ops.gather(past_v, row_stream, _i64(0)), ops.gather(v, step_keys, _i64(0))], 1)
+    keys = ops.concat([ops.gather(as_f32(past_k), row_stream, _i64(0)), ops.gather(keys_new, step_keys, _i64(0))], 1)
+    values = ops.concat([ops.gather(as_f32(past_v), row_stream, _i64(0)), ops.gather(v, step_keys, _i64(0))], 1)
     q_grouped = ops.reshape(q, _i64(0, a.num_kv_heads, groups, d), True)  # [T, Hkv, G, D]
     scores = ops.matmul(q_grouped, ops.transpose(keys, _i64(0, 2, 3, 1)), False, False)  # [T, Hkv, G, L]
     scores = ops.add(ops.multiply(scores, _f32(1.0 / np.sqrt(d))), ops.unsqueeze(shared.key_mask, _i64(1, 2)))
@@ -115,6 +115,7 @@ def layer_graph(
     layer: LlamaLayerWeights,
     attention_fmt: WeightFormat,
     expert_fmt: WeightFormat | None,
+    kv_type: str = "f32",
 ) -> ov.Model:
     """One layer: norm, RoPE attention, residual, post-attention norm, and (with `expert_fmt`) the FFN and its residual.
 
@@ -122,8 +123,8 @@ def layer_graph(
     """
     a = shape.layer_attention(layer.index)
     hidden = _param("hidden", [-1, shape.hidden_size])
-    past_k = _param("past_k", [-1, -1, a.num_kv_heads, a.head_dim])
-    past_v = _param("past_v", [-1, -1, a.num_kv_heads, a.head_dim])
+    past_k = _param("past_k", [-1, -1, a.num_kv_heads, a.head_dim], kv_type)
+    past_v = _param("past_v", [-1, -1, a.num_kv_heads, a.head_dim], kv_type)
     shared_params, shared = _shared_inputs(shape)
     keys, values, rest = _layer(shape, layer, hidden, shared, past_k, past_v, attention_fmt, expert_fmt)
     names = ["hidden_out"] if expert_fmt is not None else ["residual", "mlp_input", "expert_index", "expert_weight"]
@@ -140,6 +141,7 @@ def stage_graph(
     attention_fmt: WeightFormat,
     expert_fmt: WeightFormat,
     dense_ffn: str = "experts",
+    kv_type: str = "f32",
 ) -> ov.Model:
     """Every layer of a stage in one model: one call per step instead of one per layer.
 
@@ -152,8 +154,8 @@ def stage_graph(
     x = hidden
     for n, layer in enumerate(layers):
         a = shape.layer_attention(layer.index)
-        past_k = _param(f"past_k_{n}", [-1, -1, a.num_kv_heads, a.head_dim])
-        past_v = _param(f"past_v_{n}", [-1, -1, a.num_kv_heads, a.head_dim])
+        past_k = _param(f"past_k_{n}", [-1, -1, a.num_kv_heads, a.head_dim], kv_type)
+        past_v = _param(f"past_v_{n}", [-1, -1, a.num_kv_heads, a.head_dim], kv_type)
         params += [past_k, past_v]
         keys, values, (x,) = _layer(shape, layer, x, shared, past_k, past_v, attention_fmt, expert_fmt, dense_ffn)
         results += [_named(keys, f"new_k_{n}"), _named(values, f"new_v_{n}"), _named(x, f"layer_out_{n}")]

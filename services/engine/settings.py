@@ -8,6 +8,8 @@ from typing import Literal
 from cascadia.engine.weights import WEIGHT_FORMATS, WeightFormat
 
 Compute = Literal["f32", "bf16", "f16"]
+KvPrecision = Literal["f32", "f16"]
+KV_PRECISIONS: tuple[KvPrecision, ...] = ("f32", "f16")
 COMPUTE_PRECISIONS: tuple[Compute, ...] = ("f32", "bf16", "f16")
 PRECISION_PRESETS = ("f32", "bf16", "f16", "int8", "int4")
 
@@ -33,6 +35,8 @@ class EngineSettings:
     # dense FFNs: "experts" runs them as all-active slices through the fused expert kernel (one path
     # for sparse and dense layers); "matmul" as three plain matmuls, for comparison
     dense_ffn: Literal["experts", "matmul"] = "experts"
+    # keys and values as the streams keep them; f16 halves KV memory for long contexts
+    kv_precision: KvPrecision = "f32"
 
     def __post_init__(self) -> None:
         for name in ("expert_weights", "attention_weights", "head_weights"):
@@ -43,6 +47,8 @@ class EngineSettings:
                 raise ValueError(f"{name} '{getattr(self, name)}' is not one of {', '.join(COMPUTE_PRECISIONS)}")
         if not 1 <= self.context <= MAX_CONTEXT:
             raise ValueError(f"context {self.context} must be between 1 and {MAX_CONTEXT} positions")
+        if self.kv_precision not in KV_PRECISIONS:
+            raise ValueError(f"kv_precision '{self.kv_precision}' is not one of {', '.join(KV_PRECISIONS)}")
         if self.dense_ffn not in ("experts", "matmul"):
             raise ValueError(f"dense_ffn '{self.dense_ffn}' is not one of experts, matmul")
         if self.rewind_slack < 0:

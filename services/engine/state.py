@@ -19,9 +19,9 @@ class BudgetExceeded(RuntimeError):
 class RingRows:
     """The last `capacity` rows of a sequence, addressed by absolute position."""
 
-    def __init__(self, capacity: int, row_shape: tuple[int, ...]) -> None:
+    def __init__(self, capacity: int, row_shape: tuple[int, ...], dtype: str = "float32") -> None:
         self.capacity = capacity
-        self.data = np.zeros((capacity, *row_shape), dtype=np.float32)
+        self.data = np.zeros((capacity, *row_shape), dtype=dtype)
 
     def write(self, positions: np.ndarray, rows: np.ndarray) -> None:
         self.data[positions % self.capacity] = rows
@@ -37,9 +37,9 @@ class RingRows:
 class GrowingRows:
     """Every row from position 0, allocated in doublings up to `limit` rows."""
 
-    def __init__(self, limit: int, row_shape: tuple[int, ...], initial: int = 64) -> None:
+    def __init__(self, limit: int, row_shape: tuple[int, ...], initial: int = 64, dtype: str = "float32") -> None:
         self.limit = limit
-        self.data = np.zeros((min(initial, limit), *row_shape), dtype=np.float32)
+        self.data = np.zeros((min(initial, limit), *row_shape), dtype=dtype)
 
     def reserve(self, rows: int) -> int:
         """Grow to hold `rows` positions; returns the bytes added."""
@@ -50,7 +50,7 @@ class GrowingRows:
         size = self.data.shape[0]
         while size < rows:
             size *= 2
-        grown = np.zeros((min(size, self.limit), *self.data.shape[1:]), dtype=np.float32)
+        grown = np.zeros((min(size, self.limit), *self.data.shape[1:]), dtype=self.data.dtype)
         grown[: self.data.shape[0]] = self.data
         added = grown.nbytes - self.data.nbytes
         self.data = grown
@@ -62,7 +62,7 @@ class GrowingRows:
         size = self.data.shape[0]
         while size < rows:
             size *= 2
-        return (min(size, self.limit) - self.data.shape[0]) * int(np.prod(self.data.shape[1:])) * 4
+        return (min(size, self.limit) - self.data.shape[0]) * int(np.prod(self.data.shape[1:])) * self.data.itemsize
 
     def write(self, positions: np.ndarray, rows: np.ndarray) -> None:
         self.data[positions] = rows

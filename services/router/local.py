@@ -47,6 +47,7 @@ class LocalFleet:
     network: EmulatedNetwork | None = None  # shards in their own namespaces behind shaped links
     context: int | None = None  # global-layer positions per stream on every shard (None: the default)
     helpers: list[subprocess.Popen] = field(default_factory=list)  # Redis and the draft service
+    kv_precision: str = "f32"
 
     @property
     def stage_addrs(self) -> list[str]:
@@ -75,6 +76,8 @@ class LocalFleet:
         cmd += ["--precision", self.precision, *hop]
         if self.context is not None:
             cmd += ["--context", str(self.context)]
+        if self.kv_precision != "f32":
+            cmd += ["--kv-precision", self.kv_precision]
         out = open(self._log_dir / f"shard-{i}.log", "a") if self._log_dir else subprocess.DEVNULL  # noqa: SIM115
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
 
