@@ -40,6 +40,10 @@ class StepPlan:
     row_offset: np.ndarray  # [S] first row of each segment
     conv_index: np.ndarray  # [T, K] into [history rows (S*(K-1)); step rows]
     keys: dict[int | None, KeyPlan]
+    # rows laid out per stream for attention: cell s*W + j is row j of segment s (W = longest segment);
+    # a padding cell repeats its segment's first row and is never read back
+    cell_rows: np.ndarray  # [S * W]
+    row_cells: np.ndarray  # [T]
 
     @property
     def rows(self) -> int:
@@ -75,6 +79,10 @@ def plan_step(segments: Sequence[Segment], kernel: int, windows: Sequence[int | 
     conv_index = np.where(in_step, step_index, hist_index).astype(np.int32)
 
     keys = {window: _key_plan(starts, lengths, offsets, row_stream, row_position, window) for window in set(windows)}
+    width = int(lengths.max())
+    j = np.arange(width)
+    cell_rows = np.where(j[None, :] < lengths[:, None], offsets[:, None] + j[None, :], offsets[:, None]).reshape(-1)
+    row_cells = row_stream * width + within
     return StepPlan(
         tuple(segments),
         row_stream.astype(np.int32),
@@ -82,6 +90,8 @@ def plan_step(segments: Sequence[Segment], kernel: int, windows: Sequence[int | 
         offsets.astype(np.int32),
         conv_index,
         keys,
+        cell_rows.astype(np.int32),
+        row_cells.astype(np.int32),
     )
 
 

@@ -344,8 +344,8 @@ class StageEngine:
         past = np.maximum(keys_plan.past_positions, 0)
         inputs = {
             "hidden": hidden,
-            "row_stream": plan.row_stream,
-            "step_keys": keys_plan.step_keys,
+            "cell_rows": plan.cell_rows,
+            "row_cells": plan.row_cells,
             "key_mask": keys_plan.key_mask,
             "query_position": plan.row_position.astype(np.float32),
         }
@@ -385,10 +385,10 @@ class StageEngine:
         past_v = np.stack([st.layers[li].values.read(past[b]) for b, st in enumerate(states)])
         inputs = {
             "hidden": hidden,
-            "row_stream": plan.row_stream,
+            "cell_rows": plan.cell_rows,
+            "row_cells": plan.row_cells,
             "past_k": past_k,
             "past_v": past_v,
-            "step_keys": keys_plan.step_keys,
             "key_mask": keys_plan.key_mask,
         }
         hist_m = None

@@ -54,6 +54,60 @@ def as_f32(x: Node) -> Node:
     return x if x.get_output_element_type(0) == ov.Type.f32 else ops.convert(x, "f32")
 
 
+def segment_attention(
+    q: Node,
+    keys_new: Node,
+    values_new: Node,
+    past_k: Node,
+    past_v: Node,
+    cell_rows: Node,
+    row_cells: Node,
+    key_mask: Node,
+    kv_heads: int,
+    head_dim: int,
+    scale: float,
+    bias: Node | None = None,
+    tau: Node | None = None,
+) -> Node:
+    """Grouped-query attention computed per stream, not per row.
+
+    q [T, Hq, D], this step's keys and values [T, Hkv, D], each stream's cached ones [S, Lc, Hkv, D],
+    the per-row mask (and relative bias [T, Hq, L], log scale [T]) over L = Lc + W keys. The rows are
+    laid out as a [S, W] grid of cells, so every stream's keys are read once for all its rows (per-row
+    copies of the cache grew with rows x history). Returns [T, Hq * D].
+    """
+    groups = q.get_output_partial_shape(0)[1].get_length() // kv_heads
+    streams = ops.gather(ops.shape_of(as_f32(past_k), "i64"), _i64(0), _i64(0))
+
+    def cells(x: Node) -> Node:
+        """Rows [T, ...] to cells [S, W, ...]."""
+        gathered = ops.gather(x, cell_rows, _i64(0))
+        rest = ops.slice(ops.shape_of(gathered, "i64"), _i64(1), _i64(2**31), _i64(1), _i64(0))
+        return ops.reshape(gathered, ops.concat([streams, _i64(-1), rest], 0), False)
+
+    grouped = ops.reshape(q, _i64(0, kv_heads, groups, head_dim), True)  # [T, Hkv, G, D]
+    queries = ops.transpose(cells(grouped), _i64(0, 2, 3, 1, 4))  # [S, Hkv, G, W, D]
+    keys = ops.concat([as_f32(past_k), cells(keys_new)], 1)  # [S, L, Hkv, D]
+    values = ops.concat([as_f32(past_v), cells(values_new)], 1)
+    keys_t = ops.unsqueeze(ops.transpose(keys, _i64(0, 2, 3, 1)), _i64(2))  # [S, Hkv, 1, D, L]
+    scores = ops.multiply(ops.matmul(queries, keys_t, False, False), _f32(scale))  # [S, Hkv, G, W, L]
+    if bias is not None:
+        bias = ops.reshape(bias, _i64(0, kv_heads, groups, -1), True)  # [T, Hkv, G, L]
+        bias = ops.transpose(cells(bias), _i64(0, 2, 3, 1, 4))  # [S, Hkv, G, W, L]
+    if tau is not None:
+        tau = ops.reshape(ops.gather(tau, cell_rows, _i64(0)), ops.concat([streams, _i64(1, 1, -1, 1)], 0), False)
+        scores = ops.multiply(scores, tau)
+        bias = ops.multiply(bias, tau) if bias is not None else None
+    if bias is not None:
+        scores = ops.add(scores, bias)
+    mask = ops.unsqueeze(cells(key_mask), _i64(1, 2))  # [S, 1, 1, W, L]
+    probs = ops.softmax(ops.add(scores, mask), -1)
+    values_t = ops.unsqueeze(ops.transpose(values, _i64(0, 2, 1, 3)), _i64(2))  # [S, Hkv, 1, L, D]
+    context = ops.transpose(ops.matmul(probs, values_t, False, False), _i64(0, 3, 1, 2, 4))  # [S, W, Hkv, G, D]
+    context = ops.reshape(context, _i64(-1, kv_heads * groups * head_dim), False)
+    return ops.gather(context, row_cells, _i64(0))
+
+
 def rms_norm(x: Node, weight: np.ndarray, eps: float) -> Node:
     mean_square = ops.reduce_mean(ops.multiply(x, x), _i64(-1), keep_dims=True)
     inv = ops.divide(_f32(1.0), ops.sqrt(ops.add(mean_square, _f32(eps))))
@@ -91,7 +145,6 @@ def attention_graph(
     a = shape.layer_attention(i)
     w = layer.attention
     h, k, d = shape.hidden_size, shape.conv_kernel_size, a.head_dim
-    groups = a.num_heads // a.num_kv_heads
     eps = shape.rms_norm_eps
 
     hidden = _param("hidden", [-1, h])
@@ -99,14 +152,14 @@ def attention_graph(
     hist_v = _param("conv_hist_v", [-1, a.kv_width])
     hist_o = _param("conv_hist_o", [-1, h])
     conv_index = _param("conv_index", [-1, k], "i32")
-    row_stream = _param("row_stream", [-1], "i32")
+    cell_rows = _param("cell_rows", [-1], "i32")
+    row_cells = _param("row_cells", [-1], "i32")
     past_k = _param("past_k", [-1, -1, a.num_kv_heads, d], kv_type)
     past_v = _param("past_v", [-1, -1, a.num_kv_heads, d], kv_type)
-    step_keys = _param("step_keys", [-1, -1], "i32")
     key_mask = _param("key_mask", [-1, -1])
     key_distance = _param("key_distance", [-1, -1], "i32")
-    params = [hidden, hist_k, hist_v, hist_o, conv_index, row_stream, past_k, past_v]
-    params += [step_keys, key_mask, key_distance]
+    params = [hidden, hist_k, hist_v, hist_o, conv_index, cell_rows, row_cells, past_k, past_v]
+    params += [key_mask, key_distance]
 
     x = rms_norm(hidden, w.input_norm, eps)
     q = linear(x, w.q_proj, attention_fmt, f"l{i}.q")
@@ -121,17 +174,6 @@ def attention_graph(
         ops.reshape(short_conv(v_in, hist_v, conv_index, w.v_conv), _i64(-1, a.num_kv_heads, d), False),
         "new_v",
     )
-
-    # each row sees its stream's cached keys, then its stream's rows of this step
-    past_keys, past_values = as_f32(past_k), as_f32(past_v)
-    keys = ops.concat([ops.gather(past_keys, row_stream, _i64(0)), ops.gather(keys_new, step_keys, _i64(0))], 1)
-    values = ops.concat(
-        [ops.gather(past_values, row_stream, _i64(0)), ops.gather(values_new, step_keys, _i64(0))], 1
-    )  # [T, L, Hkv, D]
-
-    q_grouped = ops.reshape(q, _i64(0, a.num_kv_heads, groups, d), True)  # [T, Hkv, G, D]
-    scores = ops.matmul(q_grouped, ops.transpose(keys, _i64(0, 2, 3, 1)), False, False)  # [T, Hkv, G, L]
-    scores = ops.multiply(scores, _f32(1.0 / d))
 
     # relative-position bias: one value per (row, head, distance), zero beyond the extent
     rel = ops.matmul(ops.reshape(r, _i64(-1, a.num_heads, shape.d_rel), False), _f32(w.rel_proj), False, False)
@@ -152,21 +194,19 @@ def attention_graph(
         ops.less(key_distance, ops.constant(np.int32(a.rel_extent))),
     )
     bias = ops.select(ops.unsqueeze(in_extent, _i64(1)), bias, _f32(0.0))
-    bias = ops.reshape(bias, _i64(0, a.num_kv_heads, groups, -1), True)
 
+    tau = None
     if a.kind == "global" and shape.log_scaling_n_floor is not None:
         query_position = _param("query_position", [-1])
         params.append(query_position)
         n_eff = ops.divide(ops.add(query_position, _f32(1.0)), _f32(float(shape.log_scaling_n_floor)))
         tau = ops.add(_f32(1.0), ops.multiply(_f32(shape.log_scaling_alpha), ops.log(ops.maximum(n_eff, _f32(1.0)))))
-        tau = ops.reshape(tau, _i64(-1, 1, 1, 1), False)
-        scores = ops.multiply(scores, tau)
-        bias = ops.multiply(bias, tau)
 
-    scores = ops.add(ops.add(scores, bias), ops.unsqueeze(key_mask, _i64(1, 2)))
-    probs = ops.softmax(scores, -1)
-    context = ops.matmul(probs, ops.transpose(values, _i64(0, 2, 1, 3)), False, False)  # [T, Hkv, G, D]
-    context = ops.reshape(context, _i64(-1, a.q_width), False)
+    # each stream's rows see its cached keys, then its rows of this step (the mask keeps them causal)
+    context = segment_attention(
+        q, keys_new, values_new, past_k, past_v, cell_rows, row_cells, key_mask,
+        a.num_kv_heads, d, 1.0 / d, bias, tau,
+    )  # fmt: skip
     o_in = _named(linear(context, w.o_proj, attention_fmt, f"l{i}.o"), "o_conv_in")
     residual = _named(ops.add(hidden, short_conv(o_in, hist_o, conv_index, w.attn_conv)), "residual")
     mlp_input = _named(rms_norm(residual, layer.post_attention_norm, eps), "mlp_input")

@@ -15,7 +15,7 @@ import openvino as ov
 import openvino.opset16 as ops
 
 from cascadia.engine import graphs
-from cascadia.engine.graphs import _f32, _i64, _named, _param, as_f32, linear, rms_norm
+from cascadia.engine.graphs import _f32, _i64, _named, _param, linear, rms_norm, segment_attention
 from cascadia.engine.weights import WeightFormat
 from cascadia.model.config import ModelShape
 from cascadia.model.formats import join_input_columns, join_output_rows
@@ -40,10 +40,10 @@ def rotate(x: Node, cos: Node, sin: Node, head_dim: int) -> Node:
 
 @dataclass(frozen=True)
 class _Shared:
-    """Per-step inputs every layer of a stage reads: the key tables and each row's rotary angles."""
+    """Per-step inputs every layer of a stage reads: the row layout, the key mask and each row's rotary angles."""
 
-    row_stream: Node
-    step_keys: Node
+    cell_rows: Node
+    row_cells: Node
     key_mask: Node
     cos: Node
     sin: Node
@@ -51,14 +51,14 @@ class _Shared:
 
 def _shared_inputs(shape: ModelShape) -> tuple[list[Node], _Shared]:
     d = shape.attention[0].head_dim
-    row_stream = _param("row_stream", [-1], "i32")
-    step_keys = _param("step_keys", [-1, -1], "i32")
+    cell_rows = _param("cell_rows", [-1], "i32")
+    row_cells = _param("row_cells", [-1], "i32")
     key_mask = _param("key_mask", [-1, -1])
     position = _param("query_position", [-1])
     angles = ops.multiply(ops.unsqueeze(position, _i64(1)), _f32(inverse_frequencies(d, shape.rope_theta)[None, :]))
     angles = ops.unsqueeze(ops.concat([angles, angles], -1), _i64(1))  # [T, 1, D]
-    shared = _Shared(row_stream, step_keys, key_mask, ops.cos(angles), ops.sin(angles))
-    return [row_stream, step_keys, key_mask, position], shared
+    shared = _Shared(cell_rows, row_cells, key_mask, ops.cos(angles), ops.sin(angles))
+    return [cell_rows, row_cells, key_mask, position], shared
 
 
 def _layer(
@@ -76,7 +76,6 @@ def _layer(
     i = layer.index
     a = shape.layer_attention(i)
     d = a.head_dim
-    groups = a.num_heads // a.num_kv_heads
     eps = shape.rms_norm_eps
 
     x = rms_norm(hidden, layer.input_norm, eps)
@@ -86,14 +85,10 @@ def _layer(
     q = rotate(q, shared.cos, shared.sin, d)
     keys_new = rotate(k, shared.cos, shared.sin, d)
 
-    row_stream, step_keys = shared.row_stream, shared.step_keys
-    keys = ops.concat([ops.gather(as_f32(past_k), row_stream, _i64(0)), ops.gather(keys_new, step_keys, _i64(0))], 1)
-    values = ops.concat([ops.gather(as_f32(past_v), row_stream, _i64(0)), ops.gather(v, step_keys, _i64(0))], 1)
-    q_grouped = ops.reshape(q, _i64(0, a.num_kv_heads, groups, d), True)  # [T, Hkv, G, D]
-    scores = ops.matmul(q_grouped, ops.transpose(keys, _i64(0, 2, 3, 1)), False, False)  # [T, Hkv, G, L]
-    scores = ops.add(ops.multiply(scores, _f32(1.0 / np.sqrt(d))), ops.unsqueeze(shared.key_mask, _i64(1, 2)))
-    context = ops.matmul(ops.softmax(scores, -1), ops.transpose(values, _i64(0, 2, 1, 3)), False, False)
-    context = ops.reshape(context, _i64(-1, a.q_width), False)
+    context = segment_attention(
+        q, keys_new, v, past_k, past_v, shared.cell_rows, shared.row_cells, shared.key_mask,
+        a.num_kv_heads, d, 1.0 / np.sqrt(d),
+    )  # fmt: skip
     residual = ops.add(hidden, linear(context, layer.o_proj, attention_fmt, f"l{i}.o"))
     mlp_input = rms_norm(residual, layer.post_attention_norm, eps)
 
@@ -131,7 +126,7 @@ def layer_graph(
     results = [_named(keys, "new_k"), _named(values, "new_v")] + [
         _named(n, m) for n, m in zip(rest, names, strict=True)
     ]
-    params = [hidden, shared_params[0], past_k, past_v, *shared_params[1:]]
+    params = [hidden, past_k, past_v, *shared_params]
     return ov.Model([ops.result(n) for n in results], params, f"layer{layer.index}_llama")
 
 
