@@ -833,6 +833,33 @@ def bench_spec(
     sys.stdout.write(json.dumps({"speedup": speedups, "aggregate": summary["aggregate"]}) + "\n")
 
 
+@bench_app.command("context")
+def bench_context(
+    model: Annotated[Path | None, typer.Option(help="Checkpoint (default: write the tiny preset).")] = None,
+    out: Annotated[Path, typer.Option(help="Directory for JSON and PNG results.")] = Path("bench-out/context"),
+    lengths: Annotated[str, typer.Option(help="Prompt lengths, comma separated.")] = "1024,4096,16384",
+    prefill_window: Annotated[int, typer.Option(min=1)] = 256,
+    kv_precision: KvPrecisionOption = "f32",
+) -> None:
+    """Time to first token and decode time against prompt length (fit aN + bN²), KV bytes per position."""
+    from cascadia.bench.context import ContextBenchConfig, run_context_bench
+
+    try:
+        counts = tuple(int(n) for n in lengths.split(",") if n)
+    except ValueError:
+        raise fail(f"--lengths '{lengths}': expected integers separated by commas") from None
+    if len(counts) < 2:
+        raise fail("--lengths needs at least two lengths to fit aN + bN²")
+    if model is None:
+        from cascadia.model.synthetic import SyntheticSpec, write_checkpoint
+
+        model = out / "tiny-checkpoint"
+        write_checkpoint(model, SyntheticSpec(preset="tiny", seed=0))
+    config = ContextBenchConfig(resolve_model(str(model)), out, counts, prefill_window, kv_precision=kv_precision)
+    summary = run_context_bench(config, err)
+    sys.stdout.write(json.dumps({k: v for k, v in summary.items() if k != "rows"}) + "\n")
+
+
 @bench_app.command("load")
 def bench_load(
     model: Annotated[str, typer.Option(help=MODEL_HELP)] = "models/tiny",

@@ -119,3 +119,26 @@ def test_expert_banks_compile_to_fused_gather_matmuls(tiny, mode):
     for layer_ops in engine.runtime_ops():
         assert layer_ops.get("GatherMatmul", 0) == 3, layer_ops
         assert "Tile" not in layer_ops and "ScatterElementsUpdate" not in layer_ops
+
+
+@pytest.mark.slow
+def test_a_prompt_of_thousands_of_tokens_in_windows_matches_transformers(tiny):
+    """Far past the sliding window (8), the relative extent (12) and many prefill windows; every
+    layer's last rows and the greedy continuation as the oracle computes them."""
+    ids = [1, *np.random.default_rng(8).integers(3, 500, size=2999).tolist()]
+    engine = StageEngine(load_stage(tiny, 0, load_shape(tiny).num_layers), EngineSettings(context=3100))
+    engine.open("long")
+    position, trace = 0, []
+    while position < len(ids):
+        n = min(256, len(ids) - position)
+        trace = []
+        logits = engine.step([Segment("long", position, n)], np.array(ids[position : position + n]), trace=trace)
+        position += n
+    model = load_oracle(tiny)
+    layers, ref_logits = layer_outputs(model, ids)
+    last = len(ids) - len(trace[0])  # the last window's rows
+    for i, (ours, theirs) in enumerate(zip(trace, layers, strict=True)):
+        assert relative_rms(ours, theirs[last:]) <= 1e-4, f"layer {i}"
+    assert relative_rms(logits.logits, ref_logits[last:]) <= 1e-4
+    ours = generate(whole_model(tiny, EngineSettings(context=3100)), ids, SamplingParams(max_tokens=8), 256)
+    assert ours.token_ids == greedy(model, ids, 8)
