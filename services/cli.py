@@ -46,6 +46,9 @@ def model_tiny(
     layout: Annotated[str, typer.Option(help="inkling_text (transformers) or published (model.llm.*)")] = (
         "inkling_text"
     ),
+    mtp_layers: Annotated[
+        int, typer.Option(min=0, help="Depths of a multi-token-prediction head (implies --layout published).")
+    ] = 0,
 ) -> None:
     """Write a synthetic Inkling checkpoint that InklingForCausalLM.from_pretrained loads."""
     from cascadia.model.synthetic import PRESETS, SyntheticSpec, write_checkpoint
@@ -54,8 +57,11 @@ def model_tiny(
         raise fail(f"--preset '{preset}' is not one of {', '.join(PRESETS)}")
     if layout not in ("inkling_text", "published"):
         raise fail(f"--layout '{layout}' is not one of inkling_text, published")
+    if mtp_layers:
+        layout = "published"
+    spec = SyntheticSpec(preset=preset, seed=seed, layout=layout, mtp_layers=mtp_layers)  # type: ignore[arg-type]
     with err.status(f"writing {preset} checkpoint to {out}"):
-        write_checkpoint(out, SyntheticSpec(preset=preset, seed=seed, layout=layout))  # type: ignore[arg-type]
+        write_checkpoint(out, spec)
     err.print(f"wrote {out}")
 
 

@@ -36,7 +36,7 @@ class StreamError(ValueError):
 
 @dataclass(frozen=True)
 class StepResult:
-    hidden: np.ndarray | None  # [T, H] residual rows for the next stage (not on the last stage)
+    hidden: np.ndarray  # [T, H] residual rows: for the next stage, or on the last one the final states before the norm
     logits: np.ndarray | None  # [rows asked for, V] on the last stage
     logit_rows: np.ndarray | None  # which step rows the logits belong to
 
@@ -147,8 +147,10 @@ class StageEngine:
         self.shape = weights.shape
         self.settings = settings
         self.start_layer, self.end_layer = weights.start_layer, weights.end_layer
-        self.is_first = weights.start_layer == 0
-        self.is_last = weights.end_layer == weights.shape.num_layers
+        # a stage embeds when it holds the embedding and runs the head when it holds the head, so a
+        # one-layer engine without either serves as a middle stage (the MTP head's depths are)
+        self.is_first = weights.embed is not None
+        self.is_last = weights.head is not None
         core = ov.Core()
         total = len(weights.layers) + int(self.is_first) + int(self.is_last)
         done = 0
@@ -331,7 +333,7 @@ class StageEngine:
             return StepResult(hidden, None, None)
         chosen = np.arange(rows) if logit_rows is None else np.asarray(logit_rows, dtype=np.int64)
         logits = _infer(self._head, {"hidden": np.ascontiguousarray(hidden[chosen])})["logits"]
-        return StepResult(None, logits, chosen)
+        return StepResult(hidden, logits, chosen)
 
     def _global_limit(self, state: StreamState) -> int:
         return next(layer.keys.limit for layer in state.layers if isinstance(layer.keys, GrowingRows))

@@ -353,6 +353,43 @@ def head_graph(shape: ModelShape, final_norm: np.ndarray, head: Weight, fmt: Wei
     return ov.Model([ops.result(_named(logits, "logits"))], [hidden], "head")
 
 
+def mtp_input_graph(
+    shape: ModelShape,
+    hidden_norm: np.ndarray,
+    embed_norm: np.ndarray,
+    input_proj: np.ndarray,
+    trunk_norm: np.ndarray | None,
+    fmt: WeightFormat,
+) -> ov.Model:
+    """One MTP depth's input: `input_proj(cat[hidden_norm(prev), embed_norm(embedded)])`.
+
+    `prev` is the trunk's final state for depth 0 (normed here by `trunk_norm`, the trunk's final
+    norm, without the muP division) and the previous depth's raw block output after that;
+    `embedded` is the trunk's normed embedding of the token one step ahead.
+    """
+    h, eps = shape.hidden_size, shape.rms_norm_eps
+    prev = _param("prev", [-1, h])
+    embedded = _param("embedded", [-1, h])
+    x = prev if trunk_norm is None else rms_norm(prev, trunk_norm, eps)
+    parts = [rms_norm(x, hidden_norm, eps), rms_norm(embedded, embed_norm, eps)]
+    if not shape.mtp_hidden_states_first:
+        parts.reverse()
+    joined = ops.concat(parts, axis=-1)
+    out = linear(joined, input_proj, fmt, "input_proj")
+    return ov.Model([ops.result(_named(out, "block_input"))], [prev, embedded], "mtp_input")
+
+
+def mtp_logits_graph(shape: ModelShape, head: Weight, fmt: WeightFormat, vocab: int) -> ov.Model:
+    """Draft logits from a depth's raw block output: no norm, the muP division, the first `vocab` head rows."""
+    hidden = _param("hidden", [-1, shape.hidden_size])
+    x = hidden
+    if shape.logits_mup_width_multiplier != 1.0:
+        x = ops.divide(x, _f32(shape.logits_mup_width_multiplier))
+    rows = head[:vocab] if isinstance(head, np.ndarray) else head.map_blocks(lambda a: a[:vocab])
+    logits = linear(x, rows, fmt, "head")
+    return ov.Model([ops.result(_named(logits, "logits"))], [hidden], "mtp_logits")
+
+
 def dense_as_experts_graph(shape: ModelShape, layer: LayerWeights) -> ov.Model:
     """A dense layer's MLP alone, as all-active expert slices (the engine's path), for benchmarks."""
     x = _param("mlp_input", [-1, shape.hidden_size])

@@ -147,12 +147,12 @@ def _conv(source: TensorSource, name: str, channels: int, kernel: int) -> np.nda
     return source.get(name, (channels, 1, kernel))[:, 0, :]
 
 
-def _read_layer(source: TensorSource, shape: ModelShape, i: int) -> LayerWeights:
+def _read_layer(source: TensorSource, shape: ModelShape, i: int, prefix: str | None = None) -> LayerWeights:
     h = shape.hidden_size
     k = shape.conv_kernel_size
     a = shape.layer_attention(i)
     published = shape.layout == "published"
-    p = f"model.llm.layers.{i}." if published else f"model.layers.{i}."
+    p = prefix or (f"model.llm.layers.{i}." if published else f"model.layers.{i}.")
     attn = p + ("attn." if published else "self_attn.")
 
     def proj(short: str, long: str, rows: int, cols: int) -> np.ndarray:
@@ -222,35 +222,91 @@ def _read_layer(source: TensorSource, shape: ModelShape, i: int) -> LayerWeights
     return LayerWeights(i, attention, post_norm, mlp_conv, experts, router, 1.0)
 
 
+@dataclass(frozen=True)
+class MtpDepthWeights:
+    hidden_norm: np.ndarray  # [H]
+    embed_norm: np.ndarray  # [H]
+    input_proj: np.ndarray  # [H, 2H]: columns of the previous hidden state first (or the embedding first)
+    block: LayerWeights  # a dense decoder layer, index = depth
+
+
+@dataclass(frozen=True)
+class MtpWeights:
+    """The multi-token-prediction head and what it shares with the trunk: embedding, final norm, head."""
+
+    shape: ModelShape  # the depths as a decoder of their own (`ModelShape.mtp_block_shape`)
+    depths: tuple[MtpDepthWeights, ...]
+    embed: np.ndarray  # [V, H]
+    embed_norm: np.ndarray  # the trunk's embedding norm
+    final_norm: np.ndarray  # the trunk's final norm: depth 0 reads the normed trunk state
+    head: np.ndarray  # [V or unpadded V, H]
+
+
+def load_mtp(model_dir: Path, depths: int | None = None) -> MtpWeights:
+    """Read the first `depths` MTP depths (default: all) with the tensors they share with the trunk."""
+    shape = load_shape(model_dir)
+    if not shape.mtp_depths:
+        raise CheckpointError(f"{model_dir}: the checkpoint has no MTP head (no mtp_config.num_nextn_predict_layers)")
+    depths = shape.mtp_depths if depths is None else depths
+    if not 1 <= depths <= shape.mtp_depths:
+        raise CheckpointError(f"{model_dir}: asked for {depths} MTP depths, the head has {shape.mtp_depths}")
+    block_shape = shape.mtp_block_shape()
+    h = shape.hidden_size
+    with ExitStack() as stack:
+        source = TensorSource(model_dir, stack)
+        read = []
+        for k in range(depths):
+            p = f"model.mtp.layers.{k}."
+            read.append(
+                MtpDepthWeights(
+                    hidden_norm=source.get(p + "hidden_norm.weight", (h,)),
+                    embed_norm=source.get(p + "embed_norm.weight", (h,)),
+                    input_proj=source.get(p + "input_proj.weight", (h, 2 * h)),
+                    block=_read_layer(source, block_shape, k, p + "transformer_block."),
+                )
+            )
+        trunk = load_stage_tensors(source, shape, first=True, last=True)
+    return MtpWeights(block_shape, tuple(read), trunk[0], trunk[1], trunk[2], trunk[3])
+
+
+def load_stage_tensors(
+    source: TensorSource, shape: ModelShape, first: bool, last: bool
+) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """(embedding, embedding norm) when `first`, (final norm, head) when `last`."""
+    h, v = shape.hidden_size, shape.vocab_size
+    published = shape.layout == "published"
+    embed = embed_norm = final_norm = head = None
+    if first:
+        embed = source.get("model.llm.embed.weight" if published else "model.embed_tokens.weight", (v, h))
+        embed_norm = source.get(
+            "model.llm.embed_norm.weight" if published else "model.embed_tokens.embed_norm.weight", (h,)
+        )
+    if last:
+        final_norm = source.get("model.llm.norm.weight" if published else "model.norm.weight", (h,))
+        head_name = "model.llm.unembed.weight" if published else "lm_head.weight"
+        rows = v
+        if published and source.has(head_name):
+            # the published head may hold only the unpadded rows
+            for candidate in (v, shape.unpadded_vocab_size):
+                try:
+                    head = source.get(head_name, (candidate, h))
+                    rows = candidate
+                    break
+                except CheckpointError:
+                    continue
+        if head is None:
+            head = source.get(head_name, (rows, h))
+    return embed, embed_norm, final_norm, head
+
+
 def load_stage(model_dir: Path, start_layer: int, end_layer: int) -> StageWeights:
     """Read layers [start_layer, end_layer), plus the embedding on the first stage and the head on the last."""
     shape = load_shape(model_dir)
     if not 0 <= start_layer < end_layer <= shape.num_layers:
         raise CheckpointError(f"layer range {start_layer}:{end_layer} is not inside the model's 0:{shape.num_layers}")
-    h, v = shape.hidden_size, shape.vocab_size
-    published = shape.layout == "published"
     with ExitStack() as stack:
         source = TensorSource(model_dir, stack)
         layers = tuple(_read_layer(source, shape, i) for i in range(start_layer, end_layer))
-        embed = embed_norm = final_norm = head = None
-        if start_layer == 0:
-            embed = source.get("model.llm.embed.weight" if published else "model.embed_tokens.weight", (v, h))
-            embed_norm = source.get(
-                "model.llm.embed_norm.weight" if published else "model.embed_tokens.embed_norm.weight", (h,)
-            )
-        if end_layer == shape.num_layers:
-            final_norm = source.get("model.llm.norm.weight" if published else "model.norm.weight", (h,))
-            head_name = "model.llm.unembed.weight" if published else "lm_head.weight"
-            rows = v
-            if published and source.has(head_name):
-                # the published head may hold only the unpadded rows
-                for candidate in (v, shape.unpadded_vocab_size):
-                    try:
-                        head = source.get(head_name, (candidate, h))
-                        rows = candidate
-                        break
-                    except CheckpointError:
-                        continue
-            if head is None:
-                head = source.get(head_name, (rows, h))
+        first, last = start_layer == 0, end_layer == shape.num_layers
+        embed, embed_norm, final_norm, head = load_stage_tensors(source, shape, first, last)
     return StageWeights(shape, start_layer, end_layer, layers, embed, embed_norm, final_norm, head)

@@ -8,7 +8,7 @@ layers, and the `dense_intermediate_size` swap used by published checkpoints.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -63,12 +63,29 @@ class ModelShape:
     bos_token_id: int | None
     eos_token_id: int | None
     num_mtp_layers: int | None = None
+    # the multi-token-prediction head's depths (published checkpoints): one dense decoder layer each
+    mtp_attention: tuple[AttentionShape, ...] = ()
+    mtp_hidden_states_first: bool = True
     layout: Literal["inkling_text", "published", "llama", "gguf"] = "inkling_text"
     # Llama-family decoders: rotary positions, no short convolutions, no relative bias, an optional
     # head tied to the embedding (conv_kernel_size and d_rel are 0 for them)
     family: Family = "inkling"
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
+
+    @property
+    def mtp_depths(self) -> int:
+        return len(self.mtp_attention)
+
+    def mtp_block_shape(self) -> ModelShape:
+        """The MTP head's depths seen as a decoder of their own: depth k is layer k, every MLP dense."""
+        return replace(
+            self,
+            num_layers=self.mtp_depths,
+            attention=self.mtp_attention,
+            mlp_kinds=("dense",) * self.mtp_depths,
+            mtp_attention=(),
+        )
 
     @property
     def has_convs(self) -> bool:
@@ -208,6 +225,7 @@ def shape_from_config(raw: dict[str, Any]) -> ModelShape:
         if kind not in ("dense", "sparse"):
             raise ConfigError(f"config.json: mlp_layer_types[{i}] = '{kind}' is not supported")
 
+    mtp_attention, hidden_first = _mtp_attention(cfg, mtp_config)
     vocab = _positive_int(cfg, "vocab_size", 201024)
     unpadded = cfg.get("unpadded_vocab_size") or vocab
     if unpadded > vocab:
@@ -240,8 +258,40 @@ def shape_from_config(raw: dict[str, Any]) -> ModelShape:
         bos_token_id=cfg.get("bos_token_id", 1),
         eos_token_id=cfg.get("eos_token_id", 2),
         num_mtp_layers=cfg.get("num_mtp_layers", mtp_config.get("num_nextn_predict_layers")),
+        mtp_attention=mtp_attention,
+        mtp_hidden_states_first=hidden_first,
         layout=layout,
     )
+
+
+def _mtp_attention(cfg: dict[str, Any], mtp: dict[str, Any]) -> tuple[tuple[AttentionShape, ...], bool]:
+    """Per-depth attention of the MTP head: `local_layer_ids` depths are sliding at the head's own window."""
+    depths = mtp.get("num_nextn_predict_layers", mtp.get("num_mtp_layers", 0)) or 0
+    if not isinstance(depths, int) or depths < 0:
+        raise ConfigError(f"config.json: mtp_config.num_nextn_predict_layers must be >= 0, got {depths!r}")
+    if mtp.get("chain_hidden_post_norm", False):
+        raise ConfigError("config.json: mtp_config.chain_hidden_post_norm=true is not supported")
+    local = mtp.get("local_layer_ids", cfg.get("mtp_local_layer_ids")) or []
+    if any(not isinstance(d, int) or not 0 <= d < depths for d in local):
+        raise ConfigError(f"config.json: mtp_config.local_layer_ids {local!r} are not depths of 0..{depths - 1}")
+    window = mtp.get("local_extent", cfg.get("mtp_local_extent", cfg.get("sliding_window_size", 512)))
+    sliding = AttentionShape(
+        kind="sliding",
+        num_heads=mtp.get("swa_num_attention_heads", cfg.get("swa_num_attention_heads", 64)),
+        num_kv_heads=mtp.get("swa_num_key_value_heads", cfg.get("swa_num_key_value_heads", 16)),
+        head_dim=mtp.get("swa_head_dim", cfg.get("swa_head_dim", 128)),
+        window=window,
+        rel_extent=window,
+    )
+    full = AttentionShape(
+        kind="global",
+        num_heads=cfg.get("num_attention_heads", 64),
+        num_kv_heads=cfg.get("num_key_value_heads", 8),
+        head_dim=cfg.get("head_dim", 128),
+        window=None,
+        rel_extent=cfg.get("rel_extent", 1024),
+    )
+    return tuple(sliding if d in local else full for d in range(depths)), bool(mtp.get("hidden_states_first", True))
 
 
 def load_shape(model_dir: Path) -> ModelShape:

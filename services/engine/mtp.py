@@ -1,0 +1,243 @@
+"""Inkling's multi-token-prediction head on OpenVINO, and the chain that drafts with it.
+
+At position t, depth k reads the token one step further ahead than depth k-1 (x_{t+k+1}) and the
+state before it (the trunk's normed final state for k = 0, depth k-1's raw block output after that),
+runs one dense decoder layer causally with its own KV and short-conv state, and predicts x_{t+k+2}.
+
+`MtpHead` is the compute: the shared embedding, an input graph per depth, each depth's block as a
+one-layer `StageEngine` (so it has the trunk's stream state, batching and rewinds), and a logits
+graph. `MtpDrafter` keeps, per stream, what the chain needs between rounds: a depth's state is
+committed only over positions whose inputs are all confirmed tokens (teacher-fed); rows that read a
+drafted token are computed for the proposal and rewound right after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import openvino as ov
+
+from cascadia.engine import graphs
+from cascadia.engine.batch import Segment
+from cascadia.engine.engine import Progress, StageEngine, _compile_config, _infer
+from cascadia.engine.settings import EngineSettings
+from cascadia.model.checkpoint import MtpWeights, StageWeights
+
+
+class MtpHead:
+    """Depths 0..D-1 of the head, each with per-stream state like a trunk stage."""
+
+    def __init__(
+        self,
+        weights: MtpWeights,
+        settings: EngineSettings,
+        vocab: int | None = None,
+        progress: Progress | None = None,
+    ) -> None:
+        shape = weights.shape
+        self.shape = shape
+        self.depths = len(weights.depths)
+        self.vocab = min(vocab or shape.unpadded_vocab_size, shape.unpadded_vocab_size)
+        core = ov.Core()
+        cfg = _compile_config(settings, settings.residual_compute)
+        total, done = 2 * self.depths + 2, 0
+
+        def tick(what: str) -> None:
+            nonlocal done
+            done += 1
+            if progress is not None:
+                progress(what, done, total)
+
+        embed = graphs.embed_graph(weights.embed, weights.embed_norm, shape.rms_norm_eps, settings.head_weights)
+        self._embed = core.compile_model(embed, settings.device, cfg).create_infer_request()
+        tick("MTP embedding")
+        self._inputs: list[ov.InferRequest] = []
+        self.blocks: list[StageEngine] = []
+        for k, depth in enumerate(weights.depths):
+            model = graphs.mtp_input_graph(
+                shape,
+                depth.hidden_norm,
+                depth.embed_norm,
+                depth.input_proj,
+                weights.final_norm if k == 0 else None,
+                settings.attention_weights,
+            )
+            self._inputs.append(core.compile_model(model, settings.device, cfg).create_infer_request())
+            tick(f"MTP depth {k} input")
+            block = StageWeights(shape, k, k + 1, (depth.block,), None, None, None, None)
+            self.blocks.append(StageEngine(block, settings))
+            tick(f"MTP depth {k} block")
+        logits = graphs.mtp_logits_graph(shape, weights.head, settings.head_weights, self.vocab)
+        self._logits = core.compile_model(logits, settings.device, cfg).create_infer_request()
+        tick("MTP head")
+
+    def open(self, stream: Hashable) -> None:
+        for block in self.blocks:
+            block.open(stream)
+
+    def close(self, stream: Hashable) -> None:
+        for block in self.blocks:
+            if stream in block.streams:
+                block.close(stream)
+
+    def position(self, depth: int, stream: Hashable) -> int:
+        return self.blocks[depth].position(stream)
+
+    def rewind(self, depth: int, stream: Hashable, position: int) -> None:
+        self.blocks[depth].rewind(stream, position)
+
+    def run_depth(self, depth: int, segments: Sequence[Segment], prev: np.ndarray, ahead_ids: np.ndarray) -> np.ndarray:
+        """Depth `depth` over `segments`: rows' previous states and the ids one step ahead -> raw block outputs."""
+        embedded = _infer(self._embed, {"input_ids": np.asarray(ahead_ids, dtype=np.int32)})["hidden"]
+        block_input = _infer(
+            self._inputs[depth],
+            {"prev": np.ascontiguousarray(prev, dtype=np.float32), "embedded": embedded},
+        )["block_input"]
+        return self.blocks[depth].step(segments, block_input).hidden
+
+    def logits(self, raw: np.ndarray) -> np.ndarray:
+        return _infer(self._logits, {"hidden": np.ascontiguousarray(raw, dtype=np.float32)})["logits"]
+
+
+class MtpDrafter:
+    """Drafts with an `MtpHead` for many streams at once, keeping every depth current on confirmed tokens."""
+
+    # a depth that fell this far behind catches up even when no draft needs it
+    CATCH_UP = 64
+
+    def __init__(self, head: MtpHead) -> None:
+        self.head = head
+        self._streams: dict[Hashable, _StreamRecord] = {}
+
+    @property
+    def streams(self) -> list[Hashable]:
+        return list(self._streams)
+
+    def open(self, stream: Hashable) -> None:
+        self.head.open(stream)
+        self._streams[stream] = _StreamRecord(depths=self.head.depths)
+
+    def close(self, stream: Hashable) -> None:
+        if self._streams.pop(stream, None) is not None:
+            self.head.close(stream)
+
+    def confirm(self, stream: Hashable, start: int, trunk_rows: np.ndarray, ids: Sequence[int]) -> None:
+        """Trunk rows start.. (raw final states, before the final norm) and the ids they were fed."""
+        record = self._streams[stream]
+        if start != record.rows:
+            raise ValueError(f"stream {stream!r}: confirmed rows start at {start}, expected {record.rows}")
+        for offset, (row, token) in enumerate(zip(trunk_rows, ids, strict=True)):
+            record.set_token(start + offset, int(token))
+            record.trunk[start + offset] = np.array(row, dtype=np.float32)
+        record.rows += len(ids)
+
+    def sampled(self, stream: Hashable, token: int) -> None:
+        """The token the trunk chose after its last confirmed row (x_N)."""
+        record = self._streams[stream]
+        record.set_token(record.rows, int(token))
+
+    def rewind(self, stream: Hashable, position: int) -> None:
+        """The trunk went back to `position` rows: forget what depended on later tokens."""
+        record = self._streams[stream]
+        if position >= record.rows:
+            return
+        record.rows = position
+        del record.tokens[position + 1 :]
+        for t in [t for t in record.trunk if t >= position]:
+            del record.trunk[t]
+        for k in range(self.head.depths):
+            keep = max(0, position - k)
+            if self.head.position(k, stream) > keep:
+                self.head.rewind(k, stream, keep)
+            for t in [t for t in record.outputs[k] if t >= keep]:
+                del record.outputs[k][t]
+
+    def propose(self, wanted: dict[Hashable, int]) -> dict[Hashable, list[int]]:
+        """Up to `wanted[stream]` drafted tokens after each stream's sampled token, all streams batched per depth."""
+        head = self.head
+        drafts: dict[Hashable, list[int]] = {s: [] for s in wanted}
+        ready = [s for s in wanted if self._streams[s].has_sampled]
+        fresh: dict[Hashable, dict[int, np.ndarray]] = {}  # depth k-1's outputs from this round
+        for k in range(head.depths):
+            batch: list[tuple[Hashable, Segment, bool]] = []
+            for s in ready:
+                record = self._streams[s]
+                n, start = record.rows, head.position(k, s)
+                drafting = k < wanted[s] and len(drafts[s]) == k
+                if drafting:
+                    batch.append((s, Segment(s, start, n - start), True))
+                elif n - start > self.CATCH_UP:
+                    # only rows whose inputs are confirmed and whose previous depth is committed
+                    end = n if k == 0 else min(n - k, head.position(k - 1, s))
+                    if end > start:
+                        batch.append((s, Segment(s, start, end - start), False))
+            if not batch:
+                break
+            prev, ahead = [], []
+            for s, seg, _ in batch:
+                record, n = self._streams[s], self._streams[s].rows
+                for t in range(seg.start, seg.start + seg.length):
+                    if k == 0:
+                        prev.append(record.trunk[t])
+                    else:
+                        prev.append(fresh[s][t] if t in fresh.get(s, {}) else record.outputs[k - 1][t])
+                    j = t + k + 1
+                    ahead.append(record.tokens[j] if j <= n else drafts[s][j - n - 1])
+            raw = head.run_depth(k, [seg for _, seg, _ in batch], np.stack(prev), np.asarray(ahead))
+            ends = np.cumsum([seg.length for _, seg, _ in batch])
+            drafting_rows = [int(end) - 1 for (_, _, d), end in zip(batch, ends, strict=True) if d]
+            choices = iter(np.argmax(head.logits(raw[drafting_rows]), axis=-1)) if drafting_rows else iter(())
+            fresh = {}
+            for (s, seg, drafting), end in zip(batch, ends, strict=True):
+                record, n = self._streams[s], self._streams[s].rows
+                rows = raw[int(end) - seg.length : int(end)]
+                fresh[s] = {seg.start + i: rows[i] for i in range(seg.length)}
+                keep = min(seg.start + seg.length, max(seg.start, n - k))  # rows t <= n-1-k read confirmed ids
+                for t in range(seg.start, keep):
+                    record.outputs[k][t] = fresh[s][t]
+                if head.position(k, s) > keep:
+                    head.rewind(k, s, keep)
+                if drafting:
+                    drafts[s].append(int(next(choices)))
+            for s, _, _ in batch:
+                self._prune(s)
+        return drafts
+
+    def _prune(self, stream: Hashable) -> None:
+        """Drop what no depth will read again: trunk states below depth 0's commit, outputs below the next's."""
+        record, head = self._streams[stream], self.head
+        first = head.position(0, stream)
+        for t in [t for t in record.trunk if t < first]:
+            del record.trunk[t]
+        for k in range(head.depths - 1):
+            below = head.position(k + 1, stream)
+            for t in [t for t in record.outputs[k] if t < below]:
+                del record.outputs[k][t]
+        record.outputs[head.depths - 1].clear()
+
+
+@dataclass
+class _StreamRecord:
+    depths: int
+    rows: int = 0  # trunk rows confirmed (positions 0 .. rows-1)
+    tokens: list[int] = field(default_factory=list)  # x_0 .. x_rows (the last once sampled)
+    trunk: dict[int, np.ndarray] = field(default_factory=dict)
+    outputs: list[dict[int, np.ndarray]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.outputs = [{} for _ in range(self.depths)]
+
+    @property
+    def has_sampled(self) -> bool:
+        return self.rows > 0 and len(self.tokens) == self.rows + 1
+
+    def set_token(self, position: int, token: int) -> None:
+        if position < len(self.tokens):
+            self.tokens[position] = token
+            del self.tokens[position + 1 :]
+        elif position == len(self.tokens):
+            self.tokens.append(token)
+        else:
+            raise ValueError(f"token at position {position} after only {len(self.tokens)} known")
