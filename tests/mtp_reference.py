@@ -134,7 +134,7 @@ class MtpReference:
                 proj = torch.from_numpy(self.tensors[p + "input_proj.weight"].astype(np.float64))
                 block_input = torch.cat(parts, dim=-1) @ proj.T
                 captured: list[torch.Tensor] = []
-                hook = self.blocks[k].layers[0].register_forward_hook(lambda _m, _i, o: captured.append(o))
+                hook = self.blocks[k].layers[0].register_forward_hook(lambda _m, _i, o, into=captured: into.append(o))
                 try:
                     self.blocks[k](inputs_embeds=block_input[None])
                 finally:

@@ -10,12 +10,13 @@ import pytest
 from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.mtp import MtpDrafter, MtpHead
+from cascadia.engine.sampling import SamplingParams
 from cascadia.engine.settings import EngineSettings
 from cascadia.engine.speculation import accept_draft
-from cascadia.engine.sampling import SamplingParams
 from cascadia.model.checkpoint import CheckpointError, MtpWeights, load_mtp, load_stage
 from cascadia.model.synthetic import SyntheticSpec, write_checkpoint
-from mtp_reference import MtpReference, Variant
+from tests.mtp_reference import MtpReference, Variant
+from tests.oracle import relative_rms
 
 DEPTHS = 3
 
@@ -40,10 +41,6 @@ def head(mtp_model: Path) -> MtpHead:
 
 def prompt(seed: int, length: int) -> list[int]:
     return [1, *np.random.default_rng(seed).integers(3, 500, length - 1).tolist()]
-
-
-def relative_rms(ours: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.sqrt(np.mean((ours - ref) ** 2)) / np.sqrt(np.mean(ref**2)))
 
 
 def trunk_states(model: Path, ids: list[int]) -> np.ndarray:
