@@ -19,6 +19,10 @@ app.add_typer(model_app, name="model")
 app.add_typer(bench_app, name="bench")
 err = Console(stderr=True, soft_wrap=True)
 MODEL_HELP = "Checkpoint directory, .gguf file or packaged model (smollm2-135m)"
+MtpDepthsOption = Annotated[
+    int,
+    typer.Option(min=0, help="Draft with this many depths of the model's own MTP head (0: none; needs one)."),
+]
 DEFAULT_MAX_DRAFT = 7  # a verify block of 8 rows fills one pipeline group
 
 
@@ -117,6 +121,7 @@ def generate(
     kv_precision: KvPrecisionOption = "f32",
     shards: Annotated[int, typer.Option(min=1, help="Shard processes to run the model across.")] = 1,
     speculation: Annotated[str, typer.Option(help="on or off")] = "off",
+    mtp_depths: MtpDepthsOption = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON line.")] = False,
 ) -> None:
     """Generate a continuation of a prompt (greedy unless a temperature is given)."""
@@ -157,6 +162,10 @@ def generate(
         raise fail(str(exc)) from None
     if len(ids) + max_tokens > settings.context and any(a.kind == "global" for a in shape.attention):
         raise fail(f"prompt of {len(ids)} tokens + {max_tokens} new tokens exceeds --context {settings.context}")
+    if mtp_depths and speculation == "off":
+        raise fail("--mtp-depths drafts for speculative rounds: add --speculation on")
+    if mtp_depths > (shape.mtp_depths if shape.family == "inkling" else 0):
+        raise fail(f"--mtp-depths {mtp_depths}: the model's MTP head has {shape.mtp_depths} depths")
     if shards == 1 and speculation == "off":
         result = run(load_engine(model_dir, settings), ids, params)
     else:
@@ -166,7 +175,9 @@ def generate(
             local_ranges(model_dir, shards)
         except ValueError as exc:
             raise fail(str(exc)) from None
-        result = _generate_on_fleet(model_dir, shards, precision, ids, params, speculation == "on", settings)
+        result = _generate_on_fleet(
+            model_dir, shards, precision, ids, params, speculation == "on", settings, mtp_depths
+        )
     text = codec.decode(result.token_ids) if codec is not None else ""
     if as_json:
         line = {
@@ -184,7 +195,16 @@ def generate(
         )
 
 
-def _generate_on_fleet(model_dir: Path, shards: int, precision: str, ids: list[int], params, speculate: bool, settings):
+def _generate_on_fleet(
+    model_dir: Path,
+    shards: int,
+    precision: str,
+    ids: list[int],
+    params,
+    speculate: bool,
+    settings,
+    mtp_depths: int = 0,
+):
     import asyncio
     import time
 
@@ -193,10 +213,17 @@ def _generate_on_fleet(model_dir: Path, shards: int, precision: str, ids: list[i
     from cascadia.router.pipeline import PipelineDriver, RequestFailed
     from cascadia.router.scheduler import Request, SchedulerConfig
 
-    fleet = LocalFleet(model_dir, shards, precision, context=settings.context, kv_precision=settings.kv_precision)
+    fleet = LocalFleet(
+        model_dir,
+        shards,
+        precision,
+        context=settings.context,
+        kv_precision=settings.kv_precision,
+        mtp_depths=mtp_depths,
+    )
 
     async def go() -> Generation:
-        config = SchedulerConfig(stages=shards, max_draft=DEFAULT_MAX_DRAFT if speculate else 0)
+        config = SchedulerConfig(stages=shards, max_draft=DEFAULT_MAX_DRAFT if speculate else 0, mtp_draft=mtp_depths)
         driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, config, proposer=_proposer("local"))
         await driver.start()
         try:
@@ -259,6 +286,12 @@ def shard(
         typer.Option(help="Memory this shard may use, e.g. 48Gi: reports (and checks) the context that fits."),
     ] = None,
     streams: Annotated[int, typer.Option(min=1, help="Streams the memory check sizes the KV for.")] = 88,
+    mtp_depths: Annotated[
+        int, typer.Option(min=0, help="Last stage: serve this many depths of the model's MTP head as a proposer.")
+    ] = 0,
+    mtp_vocab: Annotated[
+        int, typer.Option(min=0, help="MTP draft logits over the first N token ids only (0: the whole vocabulary).")
+    ] = 0,
 ) -> None:
     """Serve one contiguous layer range as a stage of the chain."""
     import logging
@@ -285,14 +318,31 @@ def shard(
             raise fail(f"--layers {layers}: only the stage ending at layer {shape.num_layers} takes --reply-to")
         overrides = {"kv_precision": kv_precision, **({"context": context} if context else {})}
         settings = preset(precision, device=device, **overrides)
+        if mtp_depths and reply_to is None:
+            raise fail("--mtp-depths is for the last stage (the one with --reply-to)")
         engine = load_engine(model_dir, settings, start, end)
+        drafter = _mtp_drafter(model_dir, settings, mtp_depths, mtp_vocab) if mtp_depths else None
     except (ConfigError, CheckpointError, ValueError) as exc:
         raise fail(str(exc)) from None
     if memory is not None:
         _check_context_fits(engine, memory, streams)
     from cascadia.shard.service import serve
 
-    run_until_signal(serve(engine, stage, listen, next_addr, reply_to))
+    run_until_signal(serve(engine, stage, listen, next_addr, reply_to, drafter))
+
+
+def _mtp_drafter(model_dir: Path, settings, depths: int, vocab: int):
+    from cascadia.engine.mtp import MtpDrafter, MtpHead
+    from cascadia.model.checkpoint import load_mtp
+
+    with progress_bar() as bar:
+        task = bar.add_task("reading the MTP head", total=None)
+        weights = load_mtp(model_dir, depths)
+
+        def tick(what: str, done: int, total: int) -> None:
+            bar.update(task, description=f"compiling {what}", completed=done, total=total)
+
+        return MtpDrafter(MtpHead(weights, settings, vocab or None, progress=tick))
 
 
 @app.command()
@@ -311,6 +361,9 @@ def router(
     draft: Annotated[
         str, typer.Option(help="Where drafts come from: 'local' (in this process) or a draft service address.")
     ] = "local",
+    mtp_draft: Annotated[
+        int, typer.Option(min=0, help="Tokens the last stage's MTP head drafts per round (its --mtp-depths).")
+    ] = 0,
 ) -> None:
     """Admission, pipeline groups, sampling parameters and speculative rounds over a chain of shards."""
     import logging
@@ -325,7 +378,9 @@ def router(
         raise fail("--stages is empty")
     if max_draft >= rows_per_group:
         raise fail(f"--max-draft {max_draft} must be below --rows-per-group {rows_per_group}")
-    config = SchedulerConfig(len(addrs), rows_per_group, prefill_window, max_streams, max_queue, max_draft)
+    if mtp_draft and not max_draft:
+        raise fail(f"--mtp-draft {mtp_draft} drafts for speculative rounds: give --max-draft too")
+    config = SchedulerConfig(len(addrs), rows_per_group, prefill_window, max_streams, max_queue, max_draft, mtp_draft)
     driver = PipelineDriver(addrs, collect, config, frame_timeout, _proposer(draft) if max_draft else None)
 
     run_until_signal(serve(driver, listen))
@@ -508,6 +563,7 @@ def up(
         typer.Option(help="Mutual TLS between every role: a directory with ca.pem, cert.pem, key.pem."),
     ] = None,
     kv_precision: KvPrecisionOption = "f32",
+    mtp_depths: MtpDepthsOption = 0,
 ) -> None:
     """The whole fleet on this machine: shard processes, router, draft service, Redis and gateway, until Ctrl-C."""
     import signal
@@ -543,7 +599,11 @@ def up(
     # SIGTERM (a service manager, a test) stops the fleet like Ctrl-C: children must not outlive us
     signal.signal(signal.SIGTERM, _interrupt)
     # the shards hold what the gateway admits: prompt plus generated tokens per stream
-    fleet = LocalFleet(model_dir, shards, precision, context=max_context, kv_precision=kv_precision)
+    if mtp_depths and speculation == "off":
+        raise fail("--mtp-depths drafts for speculative rounds: it needs --speculation on")
+    fleet = LocalFleet(
+        model_dir, shards, precision, context=max_context, kv_precision=kv_precision, mtp_depths=mtp_depths
+    )
     gateway_proc: subprocess.Popen | None = None
     reported: list[subprocess.Popen] = []
     code = 0
@@ -554,6 +614,7 @@ def up(
         if speculation == "on":
             address = fleet.start_draft(log_dir, str(resolve_model(draft_model)) if draft_model else None)
             drafting = ["--max-draft", str(DEFAULT_MAX_DRAFT), "--draft", address]
+            drafting += ["--mtp-draft", str(mtp_depths)] if mtp_depths else []
         router_proc = fleet.start_router(router_port, log_dir / "router.log" if log_dir else None, *drafting)
         cmd = [sys.executable, "-m", "cascadia.cli", "gateway", "--router", f"127.0.0.1:{router_port}"]
         cmd += ["--model", str(model_dir), "--port", str(port), "--max-context", str(max_context)]

@@ -232,3 +232,86 @@ def test_greedy_ids_are_the_same_with_and_without_mtp(mtp_model: Path, head: Mtp
     engine = StageEngine(load_stage(tiny, 0, 5), EngineSettings())
     plain = generate(engine, ids, SamplingParams(max_tokens=len(new))).token_ids
     assert new == plain
+
+
+# -- the shard's frame checks (pure) ---------------------------------------------------------------
+
+
+def _frame(opens=(), rows=(), ids=()):
+    from cascadia.shard.service import pb
+
+    frame = pb.Frame(frame_id=1, token_ids=list(ids))
+    frame.opens.extend(pb.StreamOpen(stream=s, mtp=m) for s, m in opens)
+    frame.rows.extend(pb.RowBlock(stream=s, start=0, length=n, wants_token=w, propose=p) for s, n, w, p in rows)
+    return frame
+
+
+def test_the_last_stage_refuses_mtp_requests_it_cannot_serve():
+    from cascadia.shard.service import FrameRejected, check_frame
+
+    def check(frame, depths):
+        return check_frame(frame, {}, True, 64, 512, mtp_depths=depths)
+
+    good = _frame([("a", True)], [("a", 2, True, 3)], [1, 2])
+    assert check(good, 3) == {"a": 2}
+    with pytest.raises(FrameRejected, match="no MTP head"):
+        check(good, 0)
+    with pytest.raises(FrameRejected, match="4 MTP drafts asked of a head with 3 depths"):
+        check(_frame([("a", True)], [("a", 2, True, 4)], [1, 2]), 3)
+    with pytest.raises(FrameRejected, match="not opened for them"):
+        check(_frame([("a", False)], [("a", 2, True, 1)], [1, 2]), 3)
+    with pytest.raises(FrameRejected, match="wants no token"):
+        check(_frame([("a", True)], [("a", 2, False, 1)], [1, 2]), 3)
+    # a middle stage passes the fields on without judging them
+    assert check_frame(_frame([("a", True)], [("a", 2, True, 9)], [1, 2]), {}, True, 64, 512) == {"a": 2}
+
+
+# -- drafting with the MTP head across real shard processes ----------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shards", [1, 3])
+def test_mtp_drafts_across_shard_processes_keep_greedy_ids(mtp_model: Path, tiny: Path, shards: int, tmp_path):
+    """The last shard serves the MTP head; the router verifies its drafts: ids equal the engine's alone,
+    MTP rounds happen (per-source stats), and every stage frees the streams."""
+    import asyncio
+
+    import grpc
+
+    from cascadia.engine.generate import generate
+    from cascadia.router.local import LocalFleet, free_port
+    from cascadia.shard.service import pb, rpc
+    from tests.helpers import router_ready
+
+    engine = StageEngine(load_stage(tiny, 0, 5), EngineSettings())
+    prompts = {f"r{i}": prompt(20 + i, 6 + 3 * i) for i in range(3)}
+    expected = {rid: generate(engine, ids, SamplingParams(max_tokens=16)).token_ids for rid, ids in prompts.items()}
+    fleet = LocalFleet(mtp_model, shards, mtp_depths=DEPTHS)
+    fleet.start(tmp_path)
+    port = free_port()
+    fleet.start_router(port, tmp_path / "router.log", "--max-draft", "5", "--mtp-draft", str(DEPTHS))
+
+    async def go():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = rpc.RouterStub(channel)
+            await router_ready(stub)
+
+            async def one(rid, ids):
+                message = pb.GenerateRequest(request_id=rid, prompt_ids=ids, max_tokens=16)
+                return rid, [e.token async for e in stub.Generate(message, timeout=120)]
+
+            got = dict(await asyncio.gather(*(one(rid, ids) for rid, ids in prompts.items())))
+            stats = await stub.Stats(pb.StatsRequest(), timeout=5)
+            await asyncio.sleep(0.5)  # the close frame travels the chain
+            last = rpc.ShardStub(grpc.aio.insecure_channel(fleet.stage_addrs[-1]))
+            shard_stats = await last.Stats(pb.StatsRequest(), timeout=5)
+            return got, stats, shard_stats
+
+    try:
+        got, stats, shard_stats = asyncio.run(go())
+    finally:
+        fleet.stop()
+    assert got == expected
+    by_source = {s.source: s for s in stats.sources}
+    assert "mtp" in by_source and by_source["mtp"].drafted_tokens > 0, stats
+    assert shard_stats.open_streams == 0

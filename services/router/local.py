@@ -48,6 +48,7 @@ class LocalFleet:
     context: int | None = None  # global-layer positions per stream on every shard (None: the default)
     helpers: list[subprocess.Popen] = field(default_factory=list)  # Redis and the draft service
     kv_precision: str = "f32"
+    mtp_depths: int = 0  # the last shard serves this many depths of the model's MTP head
 
     @property
     def stage_addrs(self) -> list[str]:
@@ -78,6 +79,8 @@ class LocalFleet:
             cmd += ["--context", str(self.context)]
         if self.kv_precision != "f32":
             cmd += ["--kv-precision", self.kv_precision]
+        if last and self.mtp_depths:
+            cmd += ["--mtp-depths", str(self.mtp_depths)]
         out = open(self._log_dir / f"shard-{i}.log", "a") if self._log_dir else subprocess.DEVNULL  # noqa: SIM115
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
 

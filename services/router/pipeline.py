@@ -17,12 +17,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cascadia import tls
 from cascadia.draft.client import Proposer
-from cascadia.router.scheduler import Emitted, Frame, Request, Scheduler, SchedulerConfig
+from cascadia.router.scheduler import Emitted, Frame, Request, Scheduler, SchedulerConfig, choose_draft
 from cascadia.shard.service import CHANNEL_OPTIONS, pb, rpc
 from cascadia.wire import sampling_message
 
 log = logging.getLogger("cascadia.router")
 CLOSE_ONLY_FRAME = 2**63  # frames that only free state carry this id and return no tokens
+MTP_SOURCE = "mtp"
 
 
 class RequestFailed(RuntimeError):
@@ -166,7 +167,8 @@ class PipelineDriver:
             for t in result.tokens:  # a verified block returns several tokens, in order
                 sampled.setdefault(t.stream, []).append(t)
             tokens = {s: [t.token for t in ts] for s, ts in sampled.items()}
-            for event in self.scheduler.on_frame_done(result.frame_id, tokens):
+            mtp = {s: list(ts[-1].draft) for s, ts in sampled.items() if ts[-1].draft}
+            for event in self.scheduler.on_frame_done(result.frame_id, tokens, mtp):
                 self._emit(event, sampled[event.stream].pop(0))
             for v in self.scheduler.verified:
                 self.spec_stats["rounds"] += 1
@@ -211,15 +213,19 @@ class PipelineDriver:
                 pending.events.put_nowait(None)
 
     async def pump(self) -> None:
-        if self.proposer is not None:
-            wanted = self.scheduler.drafts_wanted()
-            try:
-                proposals = await asyncio.gather(*(self.proposer.propose(w.stream, w.context, w.k) for w in wanted))
-            except Exception:  # a draft is only ever an optimisation: decode without one
-                log.exception("the proposer failed; this round goes without drafts")
-                proposals = [([], "")] * len(wanted)
+        wanted = self.scheduler.drafts_wanted()
+        if wanted:
+            proposals = [([], "")] * len(wanted)
+            if self.proposer is not None:
+                try:
+                    proposals = await asyncio.gather(*(self.proposer.propose(w.stream, w.context, w.k) for w in wanted))
+                except Exception:  # a draft is only ever an optimisation: decode without one
+                    log.exception("the proposer failed; this round goes without drafts")
             for w, (tokens, source) in zip(wanted, proposals, strict=True):
-                self.scheduler.set_draft(w.stream, tokens[: w.k], source)
+                # the MTP head's draft is one more source, ranked with the others by measured agreement
+                candidates = [(tokens[: w.k], source), (list(w.mtp), MTP_SOURCE)]
+                chosen, chosen_source = choose_draft(candidates, self.spec_by_source)
+                self.scheduler.set_draft(w.stream, chosen, chosen_source)
         frames = self.scheduler.next_frames()
         if not frames and self._closes:
             await self._submit(pb.Frame(frame_id=CLOSE_ONLY_FRAME, closes=self._take_closes()), None)
@@ -236,7 +242,7 @@ class PipelineDriver:
             if row.opens:
                 params = self._pending[row.stream].request.params
                 sampling = sampling_message(params)
-                out.opens.append(pb.StreamOpen(stream=row.stream, sampling=sampling))
+                out.opens.append(pb.StreamOpen(stream=row.stream, sampling=sampling, mtp=row.mtp))
             out.rows.append(
                 pb.RowBlock(
                     stream=row.stream,
@@ -244,6 +250,7 @@ class PipelineDriver:
                     length=len(row.tokens),
                     wants_token=row.wants_token,
                     draft=row.draft,
+                    propose=row.propose,
                 )
             )
             out.token_ids.extend(row.tokens)

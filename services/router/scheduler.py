@@ -34,6 +34,7 @@ class SchedulerConfig:
     max_streams: int = 176  # streams holding state on the chain at once
     max_queue: int = 1024  # requests waiting for admission
     max_draft: int = 0  # drafted tokens per verify block (0: no speculation); within the stages' rewind slack
+    mtp_draft: int = 0  # tokens the last stage's MTP head drafts after each token (0: the chain has no head)
 
     def __post_init__(self) -> None:
         for name in ("stages", "rows_per_group", "prefill_window", "max_streams"):
@@ -43,6 +44,8 @@ class SchedulerConfig:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if not 0 <= self.max_draft < self.rows_per_group:
             raise ValueError(f"max_draft must be in [0, {self.rows_per_group}), got {self.max_draft}")
+        if self.mtp_draft < 0 or (self.mtp_draft and not self.max_draft):
+            raise ValueError(f"mtp_draft {self.mtp_draft} needs speculation (max_draft > 0) and must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,8 @@ class Row:
     wants_token: bool  # the last row's token is sampled and sent back
     opens: bool  # first frame of the stream: stages open its state
     draft: tuple[int, ...] = ()  # drafted tokens: the last len(draft) of `tokens`, verified on the last stage
+    mtp: bool = False  # with `opens`: the last stage's MTP head follows this stream
+    propose: int = 0  # MTP tokens the last stage drafts after this row's token
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,8 @@ class _Stream:
     draft_source: str = ""
     rewind_to: int | None = None  # positions from here on were rejected drafts
     accepted_ema: float = 1.0  # accepted drafts per verify round, smoothed
+    mtp: bool = False  # the last stage's MTP head follows the stream
+    mtp_draft: tuple[int, ...] = ()  # the MTP head's continuation after the last token
 
     @property
     def prefilling(self) -> bool:
@@ -109,6 +116,7 @@ class DraftWanted:
     stream: RequestId
     context: tuple[int, ...]  # prompt and generated tokens so far
     k: int  # drafted tokens the next decode row has room for
+    mtp: tuple[int, ...] = ()  # the MTP head's draft, already in hand
 
 
 @dataclass(frozen=True)
@@ -123,6 +131,32 @@ def decode_rows_per_frame(decoding: int, stages: int, rows_per_group: int) -> in
     """Decode rows one frame carries: the decoding streams spread over one frame per stage, so that every
     stage has work (8 streams on 3 stages go as 3, 3 and 2), and never more than a group."""
     return max(1, min(rows_per_group, -(-decoding // stages)))
+
+
+def choose_draft(
+    candidates: Sequence[tuple[Sequence[int], str]],
+    agreement: dict[str, Sequence[int]],
+    floor: float = 0.1,
+    warmup: int = 32,
+) -> tuple[list[int], str]:
+    """The candidate whose source has agreed best so far: (accepted + 1) / (proposed + 2) over its rounds.
+
+    Unmeasured sources start at one half; on a tie the earlier candidate wins (callers list the
+    confident sources first). A source that agreed on less than `floor` of its first `warmup` or
+    more drafted tokens is not used: verifying its drafts costs rows and gains nothing.
+    """
+    best: tuple[list[int], str] = ([], "")
+    best_score = -1.0
+    for tokens, source in candidates:
+        if not tokens:
+            continue
+        proposed, accepted = agreement.get(source, (0, 0))
+        if proposed >= warmup and accepted < floor * proposed:
+            continue
+        score = (accepted + 1) / (proposed + 2)
+        if score > best_score:
+            best, best_score = (list(tokens), source), score
+    return best
 
 
 def speculable(request: Request) -> bool:
@@ -177,8 +211,16 @@ class Scheduler:
         stream = self._active.pop(request_id, None)
         return stream is not None and stream.opened
 
-    def on_frame_done(self, frame_id: int, tokens: dict[RequestId, int | Sequence[int]]) -> list[Emitted]:
-        """The last stage's tokens for a frame (several for a verified block); returns what each stream emitted."""
+    def on_frame_done(
+        self,
+        frame_id: int,
+        tokens: dict[RequestId, int | Sequence[int]],
+        mtp_drafts: dict[RequestId, Sequence[int]] | None = None,
+    ) -> list[Emitted]:
+        """The last stage's tokens for a frame (several for a verified block); returns what each stream emitted.
+
+        `mtp_drafts` holds the MTP head's continuations after each stream's last token.
+        """
         frame = self._in_flight.pop(frame_id)
         emitted = []
         self.verified = []
@@ -202,6 +244,7 @@ class Scheduler:
                 if accepted < len(row.draft):  # the stages hold the rejected drafts' positions too
                     stream.position = row.start + accepted + 1
                     stream.rewind_to = stream.position
+            stream.mtp_draft = tuple(int(t) for t in (mtp_drafts or {}).get(row.stream, ()))
             params = stream.request.params
             for token in got:
                 stream.generated.append(token)
@@ -243,7 +286,9 @@ class Scheduler:
                 left - 1,
             )
             if k > 0:
-                wanted.append(DraftWanted(stream.request.id, stream.request.prompt + tuple(stream.generated), k))
+                context = stream.request.prompt + tuple(stream.generated)
+                wanted.append(DraftWanted(stream.request.id, context, k, stream.mtp_draft[:k]))
+            stream.mtp_draft = ()
         return wanted
 
     def set_draft(self, stream_id: RequestId, tokens: Sequence[int], source: str = "") -> None:
@@ -284,7 +329,10 @@ class Scheduler:
                 break
             draft = stream.draft[: budget - 1]
             stream.draft = ()
-            rows.append(Row(stream.request.id, stream.position, (stream.generated[-1], *draft), True, False, draft))
+            tokens = (stream.generated[-1], *draft)
+            rows.append(
+                Row(stream.request.id, stream.position, tokens, True, False, draft, propose=self._propose(stream))
+            )
             if stream.rewind_to is not None:
                 rewinds.append((stream.request.id, stream.rewind_to))
                 stream.rewind_to = None
@@ -295,6 +343,8 @@ class Scheduler:
             prompt = stream.request.prompt
             n = min(self.config.prefill_window, budget, len(prompt) - stream.position)
             end = stream.position + n
+            if not stream.opened:
+                stream.mtp = self.config.mtp_draft > 0 and speculable(stream.request)
             rows.append(
                 Row(
                     stream.request.id,
@@ -302,6 +352,8 @@ class Scheduler:
                     prompt[stream.position : end],
                     end == len(prompt),
                     not stream.opened,
+                    mtp=stream.mtp and not stream.opened,
+                    propose=self._propose(stream) if end == len(prompt) else 0,
                 )
             )
             budget -= n
@@ -314,6 +366,15 @@ class Scheduler:
         frame = Frame(self._next_frame, tuple(rows), tuple(rewinds))
         self._next_frame += 1
         return frame
+
+    def _propose(self, stream: _Stream) -> int:
+        """MTP tokens to ask for after this stream's next token: as many as its next round could verify."""
+        if not stream.mtp:
+            return 0
+        decoding = sum(1 for s in self._active.values() if not s.prefilling) or 1
+        limit = min(self.config.max_draft, self.config.mtp_draft)
+        k = draft_length(decoding, self.config.rows_per_group, limit, stream.accepted_ema)
+        return max(0, min(k, stream.request.params.max_tokens - len(stream.generated) - 2))
 
     # -- views ------------------------------------------------------------------------------------
 

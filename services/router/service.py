@@ -64,6 +64,10 @@ class RouterServicer(rpc.RouterServicer):
             verify_rounds=self.driver.spec_stats["rounds"],
             drafted_tokens=self.driver.spec_stats["proposed"],
             accepted_tokens=self.driver.spec_stats["accepted"],
+            sources=[
+                pb.SourceStats(source=source, drafted_tokens=drafted, accepted_tokens=accepted)
+                for source, (drafted, accepted) in sorted(self.driver.spec_by_source.items())
+            ],
         )
 
 

@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from cascadia import tls
 from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine
+from cascadia.engine.mtp import MtpDrafter
 from cascadia.engine.sampling import SamplingParams, apply_penalties, choose, log_softmax
 from cascadia.engine.speculation import accept_draft
 from cascadia.protos import load
@@ -41,8 +42,19 @@ class _Sampler:
     counts: np.ndarray | None = None  # how often each token was sampled, for the penalties
 
 
-def check_frame(frame, expected: dict[str, int], is_first: bool, hidden_size: int, vocab: int) -> dict[str, int]:
-    """Validate a frame against the positions queued so far; returns the positions after it."""
+def check_frame(
+    frame,
+    expected: dict[str, int],
+    is_first: bool,
+    hidden_size: int,
+    vocab: int,
+    mtp_depths: int | None = None,
+    mtp_streams: frozenset[str] = frozenset(),
+) -> dict[str, int]:
+    """Validate a frame against the positions queued so far; returns the positions after it.
+
+    `mtp_depths` is given on the last stage (0 when it has no MTP head), with the streams opened for it.
+    """
     after = dict(expected)
     for rewind in frame.rewinds:
         if rewind.stream not in after:
@@ -58,6 +70,9 @@ def check_frame(frame, expected: dict[str, int], is_first: bool, hidden_size: in
         except ValueError as exc:
             raise FrameRejected(f"stream '{opened.stream}': {exc}") from None
         after[opened.stream] = 0
+        if opened.mtp and mtp_depths == 0:
+            raise FrameRejected(f"stream '{opened.stream}' asks for MTP drafts but this stage has no MTP head")
+    mtp = mtp_streams | {o.stream for o in frame.opens if o.mtp}
     rows = 0
     seen = set()
     for block in frame.rows:
@@ -73,6 +88,12 @@ def check_frame(frame, expected: dict[str, int], is_first: bool, hidden_size: in
                 f"stream '{block.stream}': {len(block.draft)} drafted tokens in a block of {block.length} rows"
                 + ("" if block.wants_token else " that wants no token")
             )
+        if block.propose and mtp_depths is not None:
+            if block.stream not in mtp:
+                raise FrameRejected(f"stream '{block.stream}': MTP drafts asked of a stream not opened for them")
+            if not 0 < block.propose <= mtp_depths or not block.wants_token:
+                of = f"a head with {mtp_depths} depths" if block.wants_token else "a block that wants no token"
+                raise FrameRejected(f"stream '{block.stream}': {block.propose} MTP drafts asked of {of}")
         if block.start != after[block.stream]:
             raise FrameRejected(
                 f"stream '{block.stream}': position gap, rows start at {block.start} but the stream is at "
@@ -86,6 +107,8 @@ def check_frame(frame, expected: dict[str, int], is_first: bool, hidden_size: in
         if any(not 0 <= t < vocab for t in frame.token_ids):
             raise FrameRejected(f"frame {frame.frame_id}: token id outside [0, {vocab})")
     elif rows:
+        if mtp_depths and len(frame.token_ids) != rows:
+            raise FrameRejected(f"frame {frame.frame_id}: {len(frame.token_ids)} token ids for {rows} rows")
         shape = tuple(frame.hidden.shape)
         if shape != (rows, hidden_size) or len(frame.hidden.data) != rows * hidden_size * 4:
             raise FrameRejected(
@@ -98,8 +121,10 @@ def check_frame(frame, expected: dict[str, int], is_first: bool, hidden_size: in
 
 
 class ShardServicer(rpc.ShardServicer):
-    def __init__(self, engine: StageEngine, stage: int) -> None:
+    def __init__(self, engine: StageEngine, stage: int, drafter: MtpDrafter | None = None) -> None:
         self.engine = engine
+        self.drafter = drafter  # the MTP head, on the last stage when it serves one
+        self.mtp_streams: set[str] = set()
         self.stage = stage
         self.queue: asyncio.Queue = asyncio.Queue()
         self.expected: dict[str, int] = {}
@@ -116,11 +141,21 @@ class ShardServicer(rpc.ShardServicer):
                     self.engine.is_first,
                     self.engine.shape.hidden_size,
                     self.engine.shape.vocab_size,
+                    self._mtp_depths,
+                    frozenset(self.mtp_streams),
                 )
             except FrameRejected as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            self.mtp_streams.update(o.stream for o in frame.opens if o.mtp)
+            self.mtp_streams.difference_update(frame.closes)
         await self.queue.put(frame)
         return pb.Ack()
+
+    @property
+    def _mtp_depths(self) -> int | None:
+        if not self.engine.is_last:
+            return None
+        return self.drafter.head.depths if self.drafter is not None else 0
 
     async def Stats(self, request, context):
         streams = self.engine.streams
@@ -148,15 +183,23 @@ class ShardServicer(rpc.ShardServicer):
         for name in [*(o.stream for o in frame.opens), *(b.stream for b in frame.rows)]:
             self.expected.pop(name, None)
             self.samplers.pop(name, None)
+            self.mtp_streams.discard(name)
             if name in self.engine.streams:
                 self.engine.close(name)
+            if self.drafter is not None:
+                self.drafter.close(name)
 
     def _compute(self, frame):
         engine = self.engine
+        drafter = self.drafter
         for rewind in frame.rewinds:
             engine.rewind(rewind.stream, rewind.position)
+            if drafter is not None and rewind.stream in drafter.streams:
+                drafter.rewind(rewind.stream, rewind.position)
         for opened in frame.opens:
             engine.open(opened.stream, opened.context or None)
+            if drafter is not None and opened.mtp:
+                drafter.open(opened.stream)
             if engine.is_last:
                 params = sampling_params(opened.sampling)
                 self.samplers[opened.stream] = _Sampler(params, np.random.default_rng(params.seed))
@@ -177,6 +220,13 @@ class ShardServicer(rpc.ShardServicer):
             step = engine.step(segments, inputs, np.array(wanted, dtype=np.int64) if engine.is_last else None)
             if engine.is_last:
                 result = self._sample(frame, step.logits)
+                if drafter is not None:
+                    try:
+                        self._follow_mtp(frame, step.hidden, result)
+                    except Exception:  # drafts are an optimisation: the tokens stand, the streams lose MTP
+                        log.exception("frame %s: the MTP head failed; its streams decode without it", frame.frame_id)
+                        for block in frame.rows:
+                            drafter.close(block.stream)
             else:
                 hidden = np.ascontiguousarray(step.hidden, dtype="<f4")
                 out.hidden.shape.extend(hidden.shape)
@@ -185,13 +235,40 @@ class ShardServicer(rpc.ShardServicer):
             if stream in engine.streams:
                 engine.close(stream)
             self.samplers.pop(stream, None)
+            if drafter is not None:
+                drafter.close(stream)
         if engine.is_last:
             return result or pb.FrameResult(frame_id=frame.frame_id)
+        out.token_ids.extend(frame.token_ids)
         out.opens.extend(frame.opens)
         out.rows.extend(frame.rows)
         out.closes.extend(frame.closes)
         out.rewinds.extend(frame.rewinds)
         return out
+
+    def _follow_mtp(self, frame, final: np.ndarray, result) -> None:
+        """Keep the MTP head on every confirmed row, then draft where a block asked for it."""
+        drafter = self.drafter
+        sampled: dict[str, list] = {}
+        for token in result.tokens:
+            sampled.setdefault(token.stream, []).append(token)
+        wanted: dict[str, int] = {}
+        offset = 0
+        for block in frame.rows:
+            first, offset = offset, offset + block.length
+            if block.stream not in drafter.streams:
+                continue
+            tokens = sampled.get(block.stream, [])
+            # a verified block keeps its accepted drafts and the row before them; the rest is rewound
+            confirmed = len(tokens) if block.draft else block.length
+            ids = frame.token_ids[first : first + confirmed]
+            drafter.confirm(block.stream, block.start, final[first : first + confirmed], ids)
+            if block.wants_token:
+                drafter.sampled(block.stream, tokens[-1].token)
+            if block.propose:
+                wanted[block.stream] = block.propose
+        for stream, draft in drafter.propose(wanted).items():
+            sampled[stream][-1].draft.extend(draft)
 
     def _sample(self, frame, logits: np.ndarray):
         result = pb.FrameResult(frame_id=frame.frame_id)
@@ -241,8 +318,15 @@ class ShardServicer(rpc.ShardServicer):
             log.error("frame %s could not be passed on: %s", out.frame_id, exc.details())
 
 
-async def serve(engine: StageEngine, stage: int, listen: str, next_addr: str | None, reply_to: str | None) -> None:
-    servicer = ShardServicer(engine, stage)
+async def serve(
+    engine: StageEngine,
+    stage: int,
+    listen: str,
+    next_addr: str | None,
+    reply_to: str | None,
+    drafter: MtpDrafter | None = None,
+) -> None:
+    servicer = ShardServicer(engine, stage, drafter)
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     rpc.add_ShardServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
