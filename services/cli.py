@@ -326,9 +326,18 @@ def shard(
         raise fail(str(exc)) from None
     if memory is not None:
         _check_context_fits(engine, memory, streams)
+    from cascadia.shard.capture import StageInfo
     from cascadia.shard.service import serve
 
-    run_until_signal(serve(engine, stage, listen, next_addr, reply_to, drafter))
+    info = StageInfo(
+        stage,
+        start,
+        end,
+        str(model_dir),
+        engine.shape.hidden_size,
+        {"precision": precision, "device": device, "kv_precision": kv_precision},
+    )
+    run_until_signal(serve(engine, stage, listen, next_addr, reply_to, drafter, info))
 
 
 def _mtp_drafter(model_dir: Path, settings, depths: int, vocab: int):
@@ -384,6 +393,118 @@ def router(
     driver = PipelineDriver(addrs, collect, config, frame_timeout, _proposer(draft) if max_draft else None)
 
     run_until_signal(serve(driver, listen))
+
+
+@app.command()
+def capture(
+    directory: Annotated[
+        Path | None, typer.Option("--dir", help="Where each shard writes its files (on its machine).")
+    ] = None,
+    router_addr: Annotated[str | None, typer.Option("--router", help="The router's gRPC address.")] = None,
+    stages: Annotated[str | None, typer.Option(help="Or the stages' addresses, comma-separated.")] = None,
+    budget: Annotated[str, typer.Option(help="Bytes the capture may hold per shard, e.g. 512Mi.")] = "256Mi",
+    request: Annotated[
+        list[str] | None, typer.Option("--request", help="Capture only this request id (repeatable).")
+    ] = None,
+    every_layer: Annotated[bool, typer.Option(help="Each layer's output rows, not only each stage's.")] = False,
+    off: Annotated[bool, typer.Option("--off", help="Stop capturing and write what is held.")] = False,
+    status: Annotated[bool, typer.Option("--status", help="Report only.")] = False,
+) -> None:
+    """Record what the fleet's stages compute (FP32 rows, final states, tokens) for replay and draft evaluation."""
+    import asyncio
+
+    import grpc
+
+    from cascadia.planner import PlanError, parse_size
+    from cascadia.shard.service import pb, rpc
+
+    if (router_addr is None) == (stages is None):
+        raise fail("give exactly one of --router and --stages")
+    if not (off or status) and directory is None:
+        raise fail("--dir is needed to start a capture")
+    try:
+        budget_bytes = parse_size(budget)
+    except (PlanError, ValueError) as exc:
+        raise fail(f"--budget '{budget}': {exc}") from None
+    message = pb.CaptureRequest(
+        enable=not off,
+        directory=str(directory.resolve()) if directory else "",
+        budget_bytes=budget_bytes,
+        streams=request or [],
+        every_layer=every_layer,
+        status_only=status,
+    )
+
+    async def go() -> list:
+        from cascadia import tls
+
+        if router_addr is not None:
+            async with tls.channel(router_addr) as channel:
+                return list((await rpc.RouterStub(channel).Capture(message, timeout=30)).stages)
+        replies = []
+        for address in [a for a in (stages or "").split(",") if a]:
+            async with tls.channel(address) as channel:
+                replies.append(await rpc.ShardStub(channel).Capture(message, timeout=30))
+        return replies
+
+    try:
+        replies = asyncio.run(go())
+    except grpc.RpcError as exc:
+        raise fail(exc.details()) from None
+    for r in replies:
+        state = "full (stopped)" if r.full else ("on" if r.enabled else "off")
+        err.print(
+            f"stage {r.stage}: {state}, {r.used_bytes}/{r.budget_bytes} bytes, {r.streams} streams, "
+            f"{len(r.files)} files"
+        )
+
+
+@app.command("replay")
+def replay_command(
+    capture_path: Annotated[Path, typer.Argument(help="A capture directory (or one capture file).")],
+    layers: Annotated[str, typer.Option(help="Half-open layer range A:B to recompute.")],
+    model: Annotated[str | None, typer.Option(help=f"{MODEL_HELP} (default: the one captured).")] = None,
+    precision: Annotated[str, typer.Option(help="f32, bf16, f16, int8 or int4")] = "f32",
+    device: Annotated[str, typer.Option(help="OpenVINO device.")] = "CPU",
+    kv_precision: KvPrecisionOption = "f32",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON line.")] = False,
+) -> None:
+    """Recompute a layer range from captured inputs; per-layer deviation from what the fleet computed."""
+    from rich.table import Table
+
+    from cascadia.engine.settings import PRECISION_PRESETS, preset
+    from cascadia.replay import replay
+    from cascadia.shard.capture import CaptureError, read_capture
+
+    if precision not in PRECISION_PRESETS:
+        raise fail(f"--precision '{precision}' is not one of {', '.join(PRECISION_PRESETS)}")
+    try:
+        start, end = (int(x) for x in layers.split(":"))
+    except ValueError:
+        raise fail(f"--layers '{layers}': expected A:B") from None
+    try:
+        stages = read_capture(capture_path)
+    except (CaptureError, OSError) as exc:
+        raise fail(str(exc)) from None
+    model_dir = resolve_model(model or next(iter(stages.values())).info.model)
+    try:
+        engine = load_engine(model_dir, preset(precision, device=device, kv_precision=kv_precision), start, end)
+        with progress_bar() as bar:
+            task = bar.add_task("replaying frames", total=None)
+            report = replay(engine, stages, lambda done, total: bar.update(task, completed=done, total=total))
+    except (CaptureError, ValueError) as exc:
+        raise fail(str(exc)) from None
+    if as_json:
+        sys.stdout.write(json.dumps(report.as_dict()) + "\n")
+        return
+    table = Table(title=f"replay of layers {start}:{end} ({precision} on {device}), {report.frames} frames")
+    for column in ("layer", "rows", "rms(diff)/rms", "max|diff|/max|row|"):
+        table.add_column(column, justify="right")
+    for layer, d in sorted(report.layers.items()):
+        table.add_row(str(layer), str(d.rows), f"{d.relative_rms:.3e}", f"{d.relative_max:.3e}")
+    Console().print(table)
+    if report.argmax_agreement is not None:
+        Console().print(f"argmax agreement at the head: {report.argmax_agreement:.4f} over {report.argmax_rows} rows")
 
 
 def _proposer(draft: str):

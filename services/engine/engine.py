@@ -335,6 +335,12 @@ class StageEngine:
         logits = _infer(self._head, {"hidden": np.ascontiguousarray(hidden[chosen])})["logits"]
         return StepResult(hidden, logits, chosen)
 
+    def head_logits(self, final_states: np.ndarray) -> np.ndarray:
+        """The last stage's head on final states (before the norm), e.g. captured ones."""
+        if not self.is_last:
+            raise ValueError("only the last stage holds the head")
+        return _infer(self._head, {"hidden": np.ascontiguousarray(final_states, dtype=np.float32)})["logits"]
+
     def _global_limit(self, state: StreamState) -> int:
         return next(layer.keys.limit for layer in state.layers if isinstance(layer.keys, GrowingRows))
 

@@ -109,6 +109,18 @@ class PipelineDriver:
 
         return list(await asyncio.gather(*(one(c) for c in self._channels)))
 
+    async def capture(self, request) -> list:
+        """Forward a capture request to every stage, first to last."""
+        replies = []
+        for i, channel in enumerate(self._channels):
+            try:
+                replies.append(await rpc.ShardStub(channel).Capture(request, timeout=10))
+            except grpc.aio.AioRpcError as exc:
+                raise grpc.aio.AioRpcError(
+                    exc.code(), exc.initial_metadata(), exc.trailing_metadata(), f"stage {i}: {exc.details()}"
+                ) from None
+        return replies
+
     async def stop(self) -> None:
         if self._watchdog:
             self._watchdog.cancel()

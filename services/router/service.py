@@ -50,6 +50,15 @@ class RouterServicer(rpc.RouterServicer):
                 await self.driver.cancel(rid)
             self.driver.release(rid)
 
+    async def Capture(self, request, context):
+        """The same capture request to every stage; a stage that refuses it fails the call, naming it."""
+        try:
+            replies = await self.driver.capture(request)
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code() if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else grpc.StatusCode.UNAVAILABLE
+            await context.abort(code, exc.details() or "a stage did not answer")
+        return pb.FleetCaptureStatus(stages=replies)
+
     async def Cancel(self, request, context):
         await self.driver.cancel(request.request_id)
         return pb.Ack()

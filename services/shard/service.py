@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -23,6 +25,7 @@ from cascadia.engine.mtp import MtpDrafter
 from cascadia.engine.sampling import SamplingParams, apply_penalties, choose, log_softmax
 from cascadia.engine.speculation import accept_draft
 from cascadia.protos import load
+from cascadia.shard.capture import CaptureError, CaptureRecorder, CaptureSettings, RecordedBlock, StageInfo
 from cascadia.wire import sampling_params
 
 pb, rpc = load()
@@ -125,6 +128,9 @@ class ShardServicer(rpc.ShardServicer):
         self.engine = engine
         self.drafter = drafter  # the MTP head, on the last stage when it serves one
         self.mtp_streams: set[str] = set()
+        self.capture: CaptureRecorder | None = None
+        self.capture_info: StageInfo | None = None  # set by serve(): what capture files say of this stage
+        self._capture_lock = threading.Lock()
         self.stage = stage
         self.queue: asyncio.Queue = asyncio.Queue()
         self.expected: dict[str, int] = {}
@@ -150,6 +156,42 @@ class ShardServicer(rpc.ShardServicer):
             self.mtp_streams.difference_update(frame.closes)
         await self.queue.put(frame)
         return pb.Ack()
+
+    async def Capture(self, request, context):
+        with self._capture_lock:
+            if request.status_only:
+                pass
+            elif request.enable:
+                try:
+                    settings = CaptureSettings(
+                        Path(request.directory), request.budget_bytes, frozenset(request.streams), request.every_layer
+                    )
+                    if not request.directory:
+                        raise CaptureError("capture needs a directory")
+                    recorder = CaptureRecorder(settings, self.capture_info)
+                except CaptureError as exc:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                if self.capture is not None:
+                    self.capture.flush()
+                self.capture = recorder
+            elif self.capture is not None:
+                self.capture.flush()
+                self.capture = None
+            return self._capture_status()
+
+    def _capture_status(self):
+        c = self.capture
+        if c is None:
+            return pb.CaptureStatus(stage=self.stage)
+        return pb.CaptureStatus(
+            stage=self.stage,
+            enabled=not c.full,
+            full=c.full,
+            used_bytes=c.used_bytes,
+            budget_bytes=c.settings.budget_bytes,
+            files=c.files,
+            streams=len(c.captured),
+        )
 
     @property
     def _mtp_depths(self) -> int | None:
@@ -196,10 +238,13 @@ class ShardServicer(rpc.ShardServicer):
             engine.rewind(rewind.stream, rewind.position)
             if drafter is not None and rewind.stream in drafter.streams:
                 drafter.rewind(rewind.stream, rewind.position)
+        capture = self.capture
         for opened in frame.opens:
             engine.open(opened.stream, opened.context or None)
             if drafter is not None and opened.mtp:
                 drafter.open(opened.stream)
+            if capture is not None:
+                capture.opened(opened.stream)
             if engine.is_last:
                 params = sampling_params(opened.sampling)
                 self.samplers[opened.stream] = _Sampler(params, np.random.default_rng(params.seed))
@@ -217,7 +262,8 @@ class ShardServicer(rpc.ShardServicer):
                 offset += block.length
                 if block.wants_token:  # a verified block needs every drafted position's logits too
                     wanted.extend(range(offset - 1 - len(block.draft), offset))
-            step = engine.step(segments, inputs, np.array(wanted, dtype=np.int64) if engine.is_last else None)
+            trace: list[np.ndarray] | None = [] if capture is not None and capture.settings.every_layer else None
+            step = engine.step(segments, inputs, np.array(wanted, dtype=np.int64) if engine.is_last else None, trace)
             if engine.is_last:
                 result = self._sample(frame, step.logits)
                 if drafter is not None:
@@ -231,12 +277,16 @@ class ShardServicer(rpc.ShardServicer):
                 hidden = np.ascontiguousarray(step.hidden, dtype="<f4")
                 out.hidden.shape.extend(hidden.shape)
                 out.hidden.data = hidden.tobytes()
+            if capture is not None:
+                self._record(capture, frame, inputs, step.hidden, trace or (), result)
         for stream in frame.closes:
             if stream in engine.streams:
                 engine.close(stream)
             self.samplers.pop(stream, None)
             if drafter is not None:
                 drafter.close(stream)
+            if capture is not None:
+                capture.closed(stream)
         if engine.is_last:
             return result or pb.FrameResult(frame_id=frame.frame_id)
         out.token_ids.extend(frame.token_ids)
@@ -245,6 +295,17 @@ class ShardServicer(rpc.ShardServicer):
         out.closes.extend(frame.closes)
         out.rewinds.extend(frame.rewinds)
         return out
+
+    def _record(self, capture: CaptureRecorder, frame, inputs, outputs, layers, result) -> None:
+        blocks = [RecordedBlock(b.stream, b.start, b.length, len(b.draft)) for b in frame.rows]
+        sampled = [(t.stream, t.token) for t in result.tokens] if result is not None else []
+        with self._capture_lock:
+            try:
+                capture.record(blocks, frame.token_ids, np.asarray(inputs), outputs, layers, sampled)
+            except OSError:  # a full disk ends the capture, never the frame
+                log.exception("capture failed; stopping it")
+                capture.full = True
+                capture.captured.clear()
 
     def _follow_mtp(self, frame, final: np.ndarray, result) -> None:
         """Keep the MTP head on every confirmed row, then draft where a block asked for it."""
@@ -325,8 +386,12 @@ async def serve(
     next_addr: str | None,
     reply_to: str | None,
     drafter: MtpDrafter | None = None,
+    capture_info: StageInfo | None = None,
 ) -> None:
     servicer = ShardServicer(engine, stage, drafter)
+    servicer.capture_info = capture_info or StageInfo(
+        stage, engine.start_layer, engine.end_layer, "", engine.shape.hidden_size, {}
+    )
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     rpc.add_ShardServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
