@@ -507,6 +507,97 @@ def replay_command(
         Console().print(f"argmax agreement at the head: {report.argmax_agreement:.4f} over {report.argmax_rows} rows")
 
 
+@app.command("eval-draft")
+def eval_draft(
+    capture_path: Annotated[Path, typer.Argument(help="A capture directory holding the last stage's files.")],
+    model: Annotated[str | None, typer.Option(help=f"{MODEL_HELP} (default: the one captured).")] = None,
+    depths: Annotated[int, typer.Option(min=1, help="Tokens drafted after each emitted one.")] = 3,
+    vocab_prefix: Annotated[
+        int, typer.Option(min=0, help="Also score the MTP head with logits over the first N ids only.")
+    ] = 0,
+    redis_url: Annotated[
+        str | None, typer.Option("--redis", help="Score shared contexts too, through this Redis.")
+    ] = None,
+    draft_model: Annotated[str | None, typer.Option(help="Score this small draft model too.")] = None,
+    out: Annotated[Path, typer.Option(help="Directory for eval-draft.json and eval-draft.png.")] = Path(
+        "bench-out/eval-draft"
+    ),
+) -> None:
+    """Score draft sources on captured sequences: the MTP head (teacher- and self-fed), suffix, shared, model."""
+    from rich.table import Table
+
+    from cascadia.draft import evaluate
+    from cascadia.engine.settings import EngineSettings
+    from cascadia.shard.capture import CaptureError, confirmed_streams, read_capture
+
+    try:
+        stages = read_capture(capture_path)
+    except (CaptureError, OSError) as exc:
+        raise fail(str(exc)) from None
+    last = max(stages.values(), key=lambda s: s.info.end_layer)
+    model_dir = resolve_model(model or last.info.model)
+    from cascadia.model.loader import load_shape
+
+    shape = load_shape(model_dir)
+    if last.info.end_layer != shape.num_layers:
+        raise fail(f"{capture_path}: no capture of the last stage (layers ending at {shape.num_layers})")
+    streams = confirmed_streams(last)
+    if not streams:
+        raise fail(f"{capture_path}: no captured stream was followed from its first row to a sampled token")
+    sources: dict[str, evaluate.SourceScore] = {}
+    with err.status("scoring request-local suffix matches"):
+        sources["suffix"] = evaluate.score_proposer(streams, evaluate.suffix_proposer(), depths)
+    if redis_url:
+        with err.status("scoring shared contexts"):
+            proposer = evaluate.shared_proposer(redis_url, streams)
+            sources["shared"] = evaluate.score_proposer(streams, proposer, depths)
+    if draft_model:
+        from cascadia.draft.model import EngineDrafter
+        from cascadia.gateway.text import TextCodec
+
+        with err.status("scoring the draft model"):
+            drafter = EngineDrafter(resolve_model(draft_model), TextCodec.from_model(model_dir))
+            sources["model"] = evaluate.score_proposer(
+                streams, lambda s, context, k: drafter.draft(context, k, s), depths
+            )
+    if shape.mtp_depths:
+        from cascadia.engine.mtp import MtpHead
+        from cascadia.model.checkpoint import load_mtp
+
+        heads = {"": None, f" (first {vocab_prefix} ids)": vocab_prefix} if vocab_prefix else {"": None}
+        weights = load_mtp(model_dir, min(depths, shape.mtp_depths))
+        for label, vocab in heads.items():
+            head = MtpHead(weights, EngineSettings(), vocab)
+            with err.status(f"scoring the MTP head{label}"):
+                sources[f"mtp teacher-fed{label}"] = evaluate.mtp_teacher_fed(head, streams)
+                sources[f"mtp self-fed{label}"] = evaluate.mtp_self_fed(head, streams)
+    else:
+        err.print(f"{model_dir.name} has no MTP head: scoring the other sources")
+    summary = {
+        "capture": str(capture_path),
+        "model": str(model_dir),
+        "streams": len(streams),
+        "generated_tokens": sum(len(s.tokens) - s.prompt_length for s in streams.values()),
+        "depths": depths,
+        "sources": {name: score.as_dict() for name, score in sources.items()},
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "eval-draft.json").write_text(json.dumps(summary, indent=2) + "\n")
+    evaluate.plot(summary, out / "eval-draft.png")
+    table = Table(title=f"draft agreement per depth, {len(streams)} captured streams")
+    table.add_column("source")
+    for d in range(depths):
+        table.add_column(f"depth {d}", justify="right")
+    table.add_column("accepted / draft", justify="right")
+    for name, score in summary["sources"].items():
+        cells = [f"{v:.3f}" if v is not None else "-" for v in score["agreement_per_depth"]]
+        cells += ["-"] * (depths - len(cells))
+        mean = score["mean_accepted"]
+        table.add_row(name, *cells, f"{mean:.2f}" if mean is not None else "-")
+    Console().print(table)
+    err.print(f"wrote {out / 'eval-draft.json'} and {out / 'eval-draft.png'}")
+
+
 def _proposer(draft: str):
     from cascadia.draft.client import DraftClient, LocalProposer
 

@@ -121,3 +121,35 @@ def test_replay_refuses_what_was_not_captured(captured, tmp_path):
     assert bad.returncode == 2 and "no capture files" in bad.stderr
     with pytest.raises(CaptureError, match="no capture files"):
         read_capture(tmp_path)
+
+
+def test_a_full_capture_budget_stops_capture_and_never_disturbs_serving(tiny: Path, tmp_path):
+    fleet = LocalFleet(tiny, 2)
+    fleet.start(tmp_path)
+    port = free_port()
+    fleet.start_router(port, tmp_path / "router.log")
+    requests = prompts(4)
+    router = f"127.0.0.1:{port}"
+    try:
+        asyncio.run(_run_requests(port, {"warm": requests["r0"]}, 2))
+        bad = cli("capture", "--router", router, "--dir", str(tmp_path / "cap"), "--budget", "0")
+        assert bad.returncode == 2 and "--budget '0'" in bad.stderr
+        blocked = tmp_path / "file"
+        blocked.write_text("")
+        refused = cli("capture", "--router", router, "--dir", str(blocked / "cap"))
+        assert refused.returncode == 2 and "stage 0: capture directory" in refused.stderr
+        on = cli("capture", "--router", router, "--dir", str(tmp_path / "cap"), "--budget", "24Ki")
+        assert on.returncode == 0, on.stderr
+        got = asyncio.run(_run_requests(port, requests, 10))
+        status = cli("capture", "--router", router, "--status")
+        assert status.returncode == 0
+        assert "stage 1: full (stopped)" in status.stderr, status.stderr
+        more = asyncio.run(_run_requests(port, {"after": requests["r1"]}, 10))
+    finally:
+        fleet.stop()
+    engine = StageEngine(load_stage(tiny, 0, 5), EngineSettings())
+    for rid, ids in requests.items():
+        assert got[rid] == generate(engine, ids, SamplingParams(max_tokens=10)).token_ids
+    assert more["after"] == got["r1"]
+    stages = read_capture(tmp_path / "cap")  # what was written before the budget ran out stays readable
+    assert stages and all(len(s.frames) > 0 for s in stages.values())

@@ -315,3 +315,82 @@ def test_mtp_drafts_across_shard_processes_keep_greedy_ids(mtp_model: Path, tiny
     by_source = {s.source: s for s in stats.sources}
     assert "mtp" in by_source and by_source["mtp"].drafted_tokens > 0, stats
     assert shard_stats.open_streams == 0
+
+
+# -- capture on an MTP fleet and offline draft evaluation -------------------------------------------
+
+
+@pytest.mark.slow
+def test_eval_draft_scores_every_source_on_a_captured_fleet(
+    mtp_model: Path, reference: MtpReference, redis_server, tmp_path
+):
+    """Capture two shards drafting with the MTP head, then score the sources offline. The teacher-fed
+    depth-0 scores equal the float64 reference's on the same sequences, and depth 0 reads only true
+    tokens in both protocols, so the self-fed chain's depth-0 score must equal the teacher-fed one."""
+    import asyncio
+    import json
+    import subprocess
+    import sys
+
+    from cascadia.router.local import LocalFleet, free_port
+    from cascadia.shard.capture import confirmed_streams, read_capture
+    from tests.test_capture import _run_requests
+
+    url, _ = redis_server
+    fleet = LocalFleet(mtp_model, 2, mtp_depths=DEPTHS)
+    fleet.start(tmp_path)
+    port = free_port()
+    fleet.start_router(port, tmp_path / "router.log", "--max-draft", "5", "--mtp-draft", str(DEPTHS))
+    motif = prompt(30, 7)[1:]
+    requests = {"a": [1, *motif, *motif[:3]], "b": prompt(31, 12), "c": [1, *motif, 9, *motif[:4]]}
+
+    def cli(*args):
+        run = subprocess.run([sys.executable, "-m", "cascadia.cli", *args], capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+        return run
+
+    try:
+        asyncio.run(_run_requests(port, {"warm": requests["b"]}, 2))
+        cli("capture", "--router", f"127.0.0.1:{port}", "--dir", str(tmp_path / "cap"))
+        asyncio.run(_run_requests(port, requests, 14))
+        cli("capture", "--router", f"127.0.0.1:{port}", "--off")
+    finally:
+        fleet.stop()
+    out = tmp_path / "eval"
+    cli(
+        "eval-draft",
+        str(tmp_path / "cap"),
+        "--depths",
+        str(DEPTHS),
+        "--vocab-prefix",
+        "256",
+        "--redis",
+        url,
+        "--out",
+        str(out),
+    )
+    summary = json.loads((out / "eval-draft.json").read_text())
+    assert (out / "eval-draft.png").stat().st_size > 0
+    sources = summary["sources"]
+    expected = {"suffix", "shared", "mtp teacher-fed", "mtp self-fed"}
+    expected |= {f"{name} (first 256 ids)" for name in ("mtp teacher-fed", "mtp self-fed")}
+    assert set(sources) == expected
+    streams = confirmed_streams(read_capture(tmp_path / "cap")[1])
+    generated = sum(len(s.tokens) - s.prompt_length for s in streams.values())
+    assert summary["streams"] == 3 and summary["generated_tokens"] == generated
+    teacher, self_fed = sources["mtp teacher-fed"], sources["mtp self-fed"]
+    assert teacher["attempts_per_depth"][0] == self_fed["attempts_per_depth"][0] > 0
+    assert teacher["agreement_per_depth"][0] == self_fed["agreement_per_depth"][0]
+    # the float64 reference, teacher-fed on the same confirmed sequences
+    right = attempts = 0
+    for stream in streams.values():
+        n = len(stream.tokens) - 1
+        _, logits = reference.chain(stream.tokens, n, 1)[0]
+        for t in range(len(logits)):
+            if stream.prompt_length < t + 2 <= n:
+                attempts += 1
+                right += int(logits[t].argmax()) == stream.tokens[t + 2]
+    assert attempts == teacher["attempts_per_depth"][0]
+    assert right / attempts == pytest.approx(teacher["agreement_per_depth"][0])
+    for score in sources.values():
+        assert all(v is None or 0.0 <= v <= 1.0 for v in score["agreement_per_depth"])

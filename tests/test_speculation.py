@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import shutil
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -163,31 +160,6 @@ def test_rewinding_a_rejected_draft_restores_the_state_exactly(tiny):
 
 
 # -- the draft service and Redis --------------------------------------------------------------------
-
-
-@pytest.fixture
-def redis_server(tmp_path):
-    binary = shutil.which("redis-server")
-    if binary is None:
-        if os.environ.get("CI"):
-            pytest.fail("redis-server is missing (make setup-services installs it)")
-        pytest.skip("redis-server is not installed")
-    port = free_port()
-    cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    cmd += ["--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru", "--dir", str(tmp_path)]
-    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    import redis
-
-    client = redis.Redis(port=port)
-    for _ in range(100):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0", process
-    process.terminate()
-    process.wait(10)
 
 
 def _prompt_whose_output_repeats(engine: StageEngine, tokens: int = 16) -> tuple[list[int], list[int]]:
