@@ -1112,6 +1112,40 @@ def bench_spec(
     sys.stdout.write(json.dumps({"speedup": speedups, "aggregate": summary["aggregate"]}) + "\n")
 
 
+@bench_app.command("mtp")
+def bench_mtp(
+    model: Annotated[
+        Path | None, typer.Option(help="Checkpoint with an MTP head (default: write mini, 3 depths).")
+    ] = None,
+    out: Annotated[Path, typer.Option(help="Directory for JSON and PNG results.")] = Path("bench-out/mtp"),
+    streams: Annotated[str, typer.Option(help="Stream counts, comma separated.")] = "1,8",
+    stage_layers: Annotated[int, typer.Option(min=1, help="Layers of the last stage.")] = 6,
+    rounds: Annotated[int, typer.Option(min=1)] = 20,
+    sequences: Annotated[int, typer.Option(min=1, help="Greedy sequences scored for agreement.")] = 4,
+    new_tokens: Annotated[int, typer.Option(min=2)] = 48,
+) -> None:
+    """One MTP chain round against one last-stage decode step; agreement per depth, teacher- vs self-fed."""
+    from cascadia.bench.mtp import MtpBenchConfig, run_mtp_bench
+
+    try:
+        counts = tuple(int(n) for n in streams.split(",") if n)
+    except ValueError:
+        raise fail(f"--streams '{streams}': expected integers separated by commas") from None
+    if model is None:
+        from cascadia.model.synthetic import SyntheticSpec, write_checkpoint
+
+        model = out / "mini-mtp-checkpoint"
+        if not (model / "config.json").is_file():
+            with err.status(f"writing the mini preset with 3 MTP depths to {model}"):
+                write_checkpoint(model, SyntheticSpec(preset="mini", seed=0, layout="published", mtp_layers=3))
+    config = MtpBenchConfig(resolve_model(str(model)), out, counts, stage_layers, rounds, sequences, new_tokens)
+    try:
+        summary = run_mtp_bench(config, err)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    sys.stdout.write(json.dumps({k: v for k, v in summary.items() if k != "agreement"}) + "\n")
+
+
 @bench_app.command("context")
 def bench_context(
     model: Annotated[Path | None, typer.Option(help="Checkpoint (default: write the tiny preset).")] = None,

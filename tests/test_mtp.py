@@ -394,3 +394,21 @@ def test_eval_draft_scores_every_source_on_a_captured_fleet(
     assert right / attempts == pytest.approx(teacher["agreement_per_depth"][0])
     for score in sources.values():
         assert all(v is None or 0.0 <= v <= 1.0 for v in score["agreement_per_depth"])
+
+
+def test_bench_mtp_reports_cost_and_agreement(mtp_model: Path, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "cascadia.cli", "bench", "mtp", "--model", str(mtp_model), "--out", str(tmp_path)]
+    cmd += ["--rounds", "2", "--sequences", "1", "--new-tokens", "8", "--streams", "1,2"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    summary = json.loads((tmp_path / "mtp.json").read_text())
+    assert [c["streams"] for c in summary["cost"]] == [1, 2]
+    assert all(c["last_stage_step_ms"] > 0 and c["mtp_chain_ms"] > 0 for c in summary["cost"])
+    teacher, self_fed = summary["agreement"]["teacher-fed"], summary["agreement"]["self-fed"]
+    assert teacher["attempts_per_depth"][0] == self_fed["attempts_per_depth"][0] == 7
+    assert summary["teacher_minus_self_fed"][0] == 0.0
+    assert (tmp_path / "mtp.png").stat().st_size > 0
