@@ -1123,6 +1123,7 @@ def bench_mtp(
     rounds: Annotated[int, typer.Option(min=1)] = 20,
     sequences: Annotated[int, typer.Option(min=1, help="Greedy sequences scored for agreement.")] = 4,
     new_tokens: Annotated[int, typer.Option(min=2)] = 48,
+    vocab_prefix: Annotated[int, typer.Option(min=0, help="Also time draft logits over the first N ids.")] = 0,
 ) -> None:
     """One MTP chain round against one last-stage decode step; agreement per depth, teacher- vs self-fed."""
     from cascadia.bench.mtp import MtpBenchConfig, run_mtp_bench
@@ -1138,7 +1139,9 @@ def bench_mtp(
         if not (model / "config.json").is_file():
             with err.status(f"writing the mini preset with 3 MTP depths to {model}"):
                 write_checkpoint(model, SyntheticSpec(preset="mini", seed=0, layout="published", mtp_layers=3))
-    config = MtpBenchConfig(resolve_model(str(model)), out, counts, stage_layers, rounds, sequences, new_tokens)
+    config = MtpBenchConfig(
+        resolve_model(str(model)), out, counts, stage_layers, rounds, sequences, new_tokens, vocab_prefix=vocab_prefix
+    )
     try:
         summary = run_mtp_bench(config, err)
     except ValueError as exc:

@@ -41,6 +41,7 @@ class MtpBenchConfig:
     sequences: int = 4
     new_tokens: int = 48
     prompt_tokens: int = 32
+    vocab_prefix: int = 0  # also time the chain with draft logits over the first N ids only
 
 
 def _median_ms(samples: list[float]) -> float:
@@ -116,16 +117,22 @@ def run_mtp_bench(config: MtpBenchConfig, console: Console) -> dict[str, Any]:
     start = max(1, shape.num_layers - config.stage_layers)  # a middle-to-last stage: its input is FP32 rows
     console.print(f"loading the last stage (layers {start}:{shape.num_layers}) and {shape.mtp_depths} MTP depths")
     stage = StageEngine(load_stage(config.model, start, shape.num_layers), settings)
-    head = MtpHead(load_mtp(config.model), settings)
+    weights = load_mtp(config.model)
+    head = MtpHead(weights, settings)
+    prefix_head = MtpHead(weights, settings, config.vocab_prefix) if config.vocab_prefix else None
     cost = []
     for streams in config.streams:
         step_ms = _time_last_stage(stage, streams, config.rounds, shape.hidden_size)
         chain_ms = _time_chain(head, streams, config.rounds, shape.hidden_size, shape.unpadded_vocab_size)
-        cost.append({"streams": streams, "last_stage_step_ms": step_ms, "mtp_chain_ms": chain_ms})
-        console.print(
-            f"{streams} streams: last stage step {step_ms:.2f} ms, MTP chain of {head.depths} depths {chain_ms:.2f} ms "
-            f"({chain_ms / step_ms:.2f}x)"
+        row = {"streams": streams, "last_stage_step_ms": step_ms, "mtp_chain_ms": chain_ms}
+        line = (
+            f"{streams} streams: last stage step {step_ms:.2f} ms, MTP chain of {head.depths} depths {chain_ms:.2f} ms"
         )
+        if prefix_head is not None:
+            row["mtp_chain_prefix_ms"] = _time_chain(prefix_head, streams, config.rounds, shape.hidden_size, 64)
+            line += f", over the first {config.vocab_prefix} ids {row['mtp_chain_prefix_ms']:.2f} ms"
+        cost.append(row)
+        console.print(line)
     streams = _greedy_streams(config, console)
     teacher = evaluate.mtp_teacher_fed(head, streams).as_dict()
     self_fed = evaluate.mtp_self_fed(head, streams).as_dict()
@@ -133,6 +140,7 @@ def run_mtp_bench(config: MtpBenchConfig, console: Console) -> dict[str, Any]:
         "model": str(config.model),
         "stage_layers": f"{start}:{shape.num_layers}",
         "depths": head.depths,
+        "vocab_prefix": config.vocab_prefix or None,
         "cost": cost,
         "agreement": {"teacher-fed": teacher, "self-fed": self_fed},
         "teacher_minus_self_fed": [
@@ -155,8 +163,13 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     cost = summary["cost"]
     x = np.arange(len(cost))
-    axes[0].bar(x - 0.2, [c["last_stage_step_ms"] for c in cost], 0.4, label=f"last stage ({summary['stage_layers']})")
-    axes[0].bar(x + 0.2, [c["mtp_chain_ms"] for c in cost], 0.4, label=f"MTP chain ({summary['depths']} depths)")
+    bars = [("last_stage_step_ms", f"last stage ({summary['stage_layers']})")]
+    bars.append(("mtp_chain_ms", f"MTP chain ({summary['depths']} depths)"))
+    if summary.get("vocab_prefix"):
+        bars.append(("mtp_chain_prefix_ms", f"MTP chain, first {summary['vocab_prefix']} ids"))
+    width = 0.8 / len(bars)
+    for i, (key, label) in enumerate(bars):
+        axes[0].bar(x + (i - (len(bars) - 1) / 2) * width, [c[key] for c in cost], width, label=label)
     axes[0].set_xticks(x, [f"{c['streams']} streams" for c in cost])
     axes[0].set_ylabel("ms per round (median)")
     axes[0].legend(fontsize="small")
