@@ -412,3 +412,21 @@ def test_bench_mtp_reports_cost_and_agreement(mtp_model: Path, tmp_path):
     assert teacher["attempts_per_depth"][0] == self_fed["attempts_per_depth"][0] == 7
     assert summary["teacher_minus_self_fed"][0] == 0.0
     assert (tmp_path / "mtp.png").stat().st_size > 0
+
+
+def test_streams_that_draft_nothing_keep_their_depths_within_reach(head: MtpHead):
+    """A stream whose rounds ask for no draft (a busy fleet) still has its depths catch up, so the rows
+    held for them stay bounded instead of growing with the stream."""
+    drafter = MtpDrafter(head)
+    rng = np.random.default_rng(9)
+    drafter.open("busy")
+    drafter.confirm("busy", 0, rng.standard_normal((4, 64)).astype(np.float32), [1, 5, 6, 7])
+    drafter.sampled("busy", 8)
+    for n in range(4, 4 + 3 * MtpDrafter.CATCH_UP):
+        assert drafter.propose({"busy": 0}) == {"busy": []}
+        drafter.confirm("busy", n, rng.standard_normal((1, 64)).astype(np.float32), [int(rng.integers(3, 500))])
+        drafter.sampled("busy", int(rng.integers(3, 500)))
+    record = drafter._streams["busy"]
+    assert len(record.trunk) <= MtpDrafter.CATCH_UP + 1
+    assert all(record.rows - head.position(k, "busy") <= MtpDrafter.CATCH_UP + k + 1 for k in range(DEPTHS))
+    drafter.close("busy")

@@ -326,10 +326,11 @@ class ShardServicer(rpc.ShardServicer):
             drafter.confirm(block.stream, block.start, final[first : first + confirmed], ids)
             if block.wants_token:
                 drafter.sampled(block.stream, tokens[-1].token)
-            if block.propose:
+                # no draft wanted still lets depths that fell behind catch up, which bounds what is held
                 wanted[block.stream] = block.propose
         for stream, draft in drafter.propose(wanted).items():
-            sampled[stream][-1].draft.extend(draft)
+            if draft:
+                sampled[stream][-1].draft.extend(draft)
 
     def _sample(self, frame, logits: np.ndarray):
         result = pb.FrameResult(frame_id=frame.frame_id)
