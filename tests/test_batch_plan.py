@@ -29,8 +29,10 @@ def test_conv_taps_read_history_then_rows_of_the_same_step():
 def test_sliding_keys_stop_at_the_window_and_global_keys_do_not():
     plan = plan_step([Segment("a", 10, 2)], kernel=4, windows=[4, None])
     sliding, full = plan.keys[4], plan.keys[None]
-    assert sliding.past_positions.tolist() == [[7, 8, 9]]
-    assert full.past_positions.tolist() == [list(range(10))]
+    # slot 0 is the far region's padding; with no band given every cached key is in the band
+    assert sliding.past_positions.tolist() == [[-1, 7, 8, 9]]
+    assert full.past_positions.tolist() == [[-1, *range(10)]]
+    assert np.isinf(sliding.far_mask).all() and np.isinf(full.far_mask).all()
     visible = np.isfinite(sliding.key_mask)
     # row at position 10 sees 7, 8, 9 and itself; row 11 sees 8, 9, 10, 11
     assert visible.tolist() == [[True, True, True, True, False], [False, True, True, True, True]]
@@ -41,8 +43,35 @@ def test_sliding_keys_stop_at_the_window_and_global_keys_do_not():
 def test_padding_slots_are_masked():
     plan = plan_step([Segment("a", 0, 1), Segment("b", 3, 1)], kernel=2, windows=[None])
     keys = plan.keys[None]
-    assert keys.past_positions.tolist() == [[-1, -1, -1], [0, 1, 2]]
+    assert keys.past_positions.tolist() == [[-1, -1, -1, -1], [-1, 0, 1, 2]]
     assert np.isfinite(keys.key_mask).tolist() == [[False, False, False, True], [True, True, True, True]]
+
+
+def test_global_keys_beyond_the_bias_band_go_to_the_far_region():
+    """With a band of 2, stream a (10 cached) keeps its 2 nearest keys row-dependent and 8 in the far
+    region; stream b (3 cached) 2 and 1; c (1 cached) has no far key. Both regions are right-aligned,
+    so the band's slots mean the same distance for every stream, and far keys are at least a band away."""
+    segments = [Segment("a", 10, 2), Segment("b", 3, 1), Segment("c", 1, 1)]
+    keys = plan_step(segments, kernel=4, windows=[None], global_band=2).keys[None]
+    assert keys.past_positions.tolist() == [
+        [-1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9],
+        [-1, -1, -1, -1, -1, -1, -1, -1, 0, 1, 2],
+        [-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0],
+    ]
+    assert np.isfinite(keys.far_mask).sum(axis=1).tolist() == [8, 1, 0]
+    # the band: 2 cached slots and this step's 2 (rows of a, then b, then c)
+    assert keys.key_distance.tolist() == [[2, 1, 0, -1], [3, 2, 1, 0], [2, 1, 0, -1], [-1, 1, 0, -1]]
+    assert np.isfinite(keys.key_mask).tolist() == [
+        [True, True, True, False],
+        [True, True, True, True],
+        [True, True, True, False],
+        [False, True, True, False],
+    ]
+    row_positions = np.array([10, 11, 3, 1])
+    stream_of_row = np.array([0, 0, 1, 2])
+    far = keys.past_positions[stream_of_row, 1:9]
+    nearest_far = np.where(far >= 0, row_positions[:, None] - far, 99).min(axis=1)
+    assert (nearest_far >= 3).all()  # the bias extent is band + 1
 
 
 @pytest.mark.parametrize(

@@ -24,12 +24,19 @@ class Segment:
 
 @dataclass(frozen=True)
 class KeyPlan:
-    """Keys for one attention kind (a sliding window, or unbounded for global layers)."""
+    """Keys for one attention kind (a sliding window, or unbounded for global layers).
 
-    past_positions: np.ndarray  # [S, Lc] positions to read from each stream's cache, -1 = padding
+    Each stream's cached keys are read into two regions. The far region holds keys every row of the
+    step sees with no relative bias (distance >= the bias extent): only padding is masked there, per
+    stream, whatever the history's length. The band holds the nearest cached keys and this step's
+    own, where visibility and bias depend on the row: those tables are [T, band], not [T, history].
+    """
+
+    past_positions: np.ndarray  # [S, 1 + Lf + Ln] cache positions: a padding slot, far region, near keys; -1 = pad
+    far_mask: np.ndarray  # [S, 1 + Lf] 0 or -inf
     step_keys: np.ndarray  # [T, W] rows of this step a row may attend to (its own stream's)
-    key_mask: np.ndarray  # [T, Lc + W] 0 or -inf
-    key_distance: np.ndarray  # [T, Lc + W] query position - key position
+    key_mask: np.ndarray  # [T, Ln + W] 0 or -inf, over the band
+    key_distance: np.ndarray  # [T, Ln + W] query position - key position, over the band
 
 
 @dataclass(frozen=True)
@@ -50,8 +57,15 @@ class StepPlan:
         return int(self.row_stream.shape[0])
 
 
-def plan_step(segments: Sequence[Segment], kernel: int, windows: Sequence[int | None]) -> StepPlan:
-    """Index tables for a step over `segments` with conv kernel `kernel` and the given attention windows."""
+def plan_step(
+    segments: Sequence[Segment], kernel: int, windows: Sequence[int | None], global_band: int | None = None
+) -> StepPlan:
+    """Index tables for a step over `segments` with conv kernel `kernel` and the given attention windows.
+
+    `global_band`: cached keys nearer than this may carry a row-dependent bias on global layers (the
+    relative extent - 1; 0 with no bias); farther ones go to the far region. None keeps every cached
+    key in the band.
+    """
     if not segments:
         raise ValueError("a step needs at least one segment")
     seen: set[Hashable] = set()
@@ -78,7 +92,12 @@ def plan_step(segments: Sequence[Segment], kernel: int, windows: Sequence[int | 
     hist_index = row_stream[:, None] * (kernel - 1) + (kernel - 1) - back
     conv_index = np.where(in_step, step_index, hist_index).astype(np.int32)
 
-    keys = {window: _key_plan(starts, lengths, offsets, row_stream, row_position, window) for window in set(windows)}
+    keys = {
+        window: _key_plan(
+            starts, lengths, offsets, row_stream, row_position, window, global_band if window is None else None
+        )
+        for window in set(windows)
+    }
     width = int(lengths.max())
     j = np.arange(width)
     cell_rows = np.where(j[None, :] < lengths[:, None], offsets[:, None] + j[None, :], offsets[:, None]).reshape(-1)
@@ -102,12 +121,26 @@ def _key_plan(
     row_stream: np.ndarray,
     row_position: np.ndarray,
     window: int | None,
+    band: int | None,
 ) -> KeyPlan:
     first = np.zeros_like(starts) if window is None else np.maximum(0, starts - (window - 1))
     counts = starts - first
-    cached = max(1, int(counts.max()))  # one padding slot keeps shapes non-empty
-    slot = np.arange(cached)
-    past_positions = np.where(slot[None, :] < counts[:, None], first[:, None] + slot[None, :], -1)
+    near_slots = int(counts.max()) if band is None else min(band, int(counts.max()))
+    near = np.minimum(counts, near_slots)
+    far = counts - near
+    far_slots = int(far.max())
+    # slot 0 is always padding (keeps the far region non-empty); both regions are right-aligned
+    slot = np.arange(1 + far_slots + near_slots)
+    far_start = 1 + far_slots - far  # first far slot of each stream
+    near_start = 1 + far_slots + near_slots - near
+    in_far = (slot[None, :] >= far_start[:, None]) & (slot[None, :] < 1 + far_slots)
+    in_near = slot[None, :] >= near_start[:, None]
+    past_positions = np.full((len(starts), len(slot)), -1, dtype=np.int64)
+    past_positions = np.where(in_far, first[:, None] + slot[None, :] - far_start[:, None], past_positions)
+    past_positions = np.where(
+        in_near, first[:, None] + far[:, None] + slot[None, :] - near_start[:, None], past_positions
+    )
+    far_mask = np.where(past_positions[:, : 1 + far_slots] >= 0, np.float32(0.0), NEG_INF).astype(np.float32)
 
     width = int(lengths.max())
     w = np.arange(width)
@@ -115,14 +148,15 @@ def _key_plan(
     step_keys = np.where(w[None, :] < seg_len[:, None], offsets[row_stream][:, None] + w[None, :], 0)
     step_pos = np.where(w[None, :] < seg_len[:, None], starts[row_stream][:, None] + w[None, :], -1)
 
-    key_pos = np.concatenate([past_positions[row_stream], step_pos], axis=1)
+    key_pos = np.concatenate([past_positions[row_stream, 1 + far_slots :], step_pos], axis=1)
     distance = row_position[:, None] - key_pos
     visible = (key_pos >= 0) & (distance >= 0)
     if window is not None:
         visible &= distance < window
     mask = np.where(visible, np.float32(0.0), NEG_INF).astype(np.float32)
     return KeyPlan(
-        past_positions.astype(np.int64),
+        past_positions,
+        far_mask,
         step_keys.astype(np.int32),
         mask,
         np.where(key_pos >= 0, distance, -1).astype(np.int32),

@@ -195,6 +195,10 @@ class StageEngine:
             self._head = core.compile_model(model, settings.device, residual_cfg).create_infer_request()
             tick("head")
         self._windows = tuple(layer.attention.window for layer in self._layers)
+        # cached keys nearer than this may carry a relative bias on global layers; farther ones go to a
+        # block with no per-row tables. Llama's graphs keep one block (every cached key in the band).
+        extents = [layer.attention.rel_extent for layer in self._layers if layer.attention.window is None]
+        self._global_band = None if self.shape.family == "llama" else max(extents, default=1) - 1
         self._has_global = any(w is None for w in self._windows)
         self._streams: dict[Hashable, StreamState] = {}
 
@@ -300,7 +304,7 @@ class StageEngine:
                     f"stream {seg.stream!r}: {seg.start + seg.length} positions exceed its context budget "
                     f"of {self._global_limit(state)}"
                 )
-        plan = plan_step(segments, max(1, self.shape.conv_kernel_size), self._windows)
+        plan = plan_step(segments, max(1, self.shape.conv_kernel_size), self._windows, self._global_band)
         rows = plan.rows
         if self.is_first:
             ids = np.asarray(inputs)
@@ -355,6 +359,7 @@ class StageEngine:
             "cell_rows": plan.cell_rows,
             "row_cells": plan.row_cells,
             "key_mask": keys_plan.key_mask,
+            "far_mask": keys_plan.far_mask,
             "query_position": plan.row_position.astype(np.float32),
         }
         for li in range(len(self._layers)):
@@ -398,6 +403,7 @@ class StageEngine:
             "past_k": past_k,
             "past_v": past_v,
             "key_mask": keys_plan.key_mask,
+            "far_mask": keys_plan.far_mask,
         }
         hist_m = None
         if layer.has_convs:

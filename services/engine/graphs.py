@@ -63,21 +63,31 @@ def segment_attention(
     cell_rows: Node,
     row_cells: Node,
     key_mask: Node,
+    far_mask: Node,
     kv_heads: int,
     head_dim: int,
     scale: float,
     bias: Node | None = None,
     tau: Node | None = None,
+    far_block: bool = True,
 ) -> Node:
-    """Grouped-query attention computed per stream, not per row.
+    """Grouped-query attention computed per stream, not per row, in two key blocks merged by their maxima.
 
-    q [T, Hq, D], this step's keys and values [T, Hkv, D], each stream's cached ones [S, Lc, Hkv, D],
-    the per-row mask (and relative bias [T, Hq, L], log scale [T]) over L = Lc + W keys. The rows are
-    laid out as a [S, W] grid of cells, so every stream's keys are read once for all its rows (per-row
-    copies of the cache grew with rows x history). Returns [T, Hq * D].
+    q [T, Hq, D], this step's keys and values [T, Hkv, D], each stream's cached ones [S, Lp, Hkv, D]
+    laid out as `batch.KeyPlan` says: the first Lf slots are the far region (every row sees them,
+    with no bias; `far_mask` [S, Lf] masks padding), the rest with this step's keys form the band,
+    where `key_mask` and the relative `bias` ([T, Hq, Lb]) depend on the row; `tau` [T] is the log
+    scale of global layers' queries. Each block is exponentiated against the shared row maximum and
+    the two are summed (an online softmax over two tiles), so nothing of size [rows, history] other
+    than the scores themselves is ever built. With `far_block` false the plan keeps every cached key
+    in the band (sliding windows, models without a relative bias) and one block is computed: fewer
+    ops per call, which is what short decode steps pay for. The rows are laid out as a [S, W] grid of
+    cells, so every stream's keys are read once for all its rows. Returns [T, Hq * D].
     """
     groups = q.get_output_partial_shape(0)[1].get_length() // kv_heads
     streams = ops.gather(ops.shape_of(as_f32(past_k), "i64"), _i64(0), _i64(0))
+    far_slots = ops.gather(ops.shape_of(far_mask, "i64"), _i64(1), _i64(0))
+    end = _i64(2**62)
 
     def cells(x: Node) -> Node:
         """Rows [T, ...] to cells [S, W, ...]."""
@@ -85,25 +95,39 @@ def segment_attention(
         rest = ops.slice(ops.shape_of(gathered, "i64"), _i64(1), _i64(2**31), _i64(1), _i64(0))
         return ops.reshape(gathered, ops.concat([streams, _i64(-1), rest], 0), False)
 
-    grouped = ops.reshape(q, _i64(0, kv_heads, groups, head_dim), True)  # [T, Hkv, G, D]
-    queries = ops.transpose(cells(grouped), _i64(0, 2, 3, 1, 4))  # [S, Hkv, G, W, D]
-    keys = ops.concat([as_f32(past_k), cells(keys_new)], 1)  # [S, L, Hkv, D]
-    values = ops.concat([as_f32(past_v), cells(values_new)], 1)
-    keys_t = ops.unsqueeze(ops.transpose(keys, _i64(0, 2, 3, 1)), _i64(2))  # [S, Hkv, 1, D, L]
-    scores = ops.multiply(ops.matmul(queries, keys_t, False, False), _f32(scale))  # [S, Hkv, G, W, L]
-    if bias is not None:
-        bias = ops.reshape(bias, _i64(0, kv_heads, groups, -1), True)  # [T, Hkv, G, L]
-        bias = ops.transpose(cells(bias), _i64(0, 2, 3, 1, 4))  # [S, Hkv, G, W, L]
+    def split(cached: Node, new: Node) -> tuple[Node, Node]:
+        """[S, Lp, Hkv, D] + this step's -> far [S, Hkv, 1, Lf, D] and band [S, Hkv, 1, Lb, D]."""
+        cached = as_f32(cached)
+        far = ops.slice(cached, _i64(0), far_slots, _i64(1), _i64(1))
+        band = ops.concat([ops.slice(cached, far_slots, end, _i64(1), _i64(1)), cells(new)], 1)
+        return tuple(ops.unsqueeze(ops.transpose(x, _i64(0, 2, 1, 3)), _i64(2)) for x in (far, band))
+
+    queries = ops.reshape(q, _i64(0, kv_heads, groups, head_dim), True)  # [T, Hkv, G, D]
+    row_scale = _f32(scale)
     if tau is not None:
-        tau = ops.reshape(ops.gather(tau, cell_rows, _i64(0)), ops.concat([streams, _i64(1, 1, -1, 1)], 0), False)
-        scores = ops.multiply(scores, tau)
-        bias = ops.multiply(bias, tau) if bias is not None else None
+        row_scale = ops.multiply(ops.unsqueeze(tau, _i64(1, 2, 3)), row_scale)  # [T, 1, 1, 1]
+    queries = ops.transpose(cells(ops.multiply(queries, row_scale)), _i64(0, 2, 3, 1, 4))  # [S, Hkv, G, W, D]
+    keys_far, keys_band = split(past_k, keys_new)
+    values_far, values_band = split(past_v, values_new)
+    band = ops.matmul(queries, keys_band, False, True)  # [S, Hkv, G, W, Lb]
     if bias is not None:
-        scores = ops.add(scores, bias)
-    mask = ops.unsqueeze(cells(key_mask), _i64(1, 2))  # [S, 1, 1, W, L]
-    probs = ops.softmax(ops.add(scores, mask), -1)
-    values_t = ops.unsqueeze(ops.transpose(values, _i64(0, 2, 1, 3)), _i64(2))  # [S, Hkv, 1, L, D]
-    context = ops.transpose(ops.matmul(probs, values_t, False, False), _i64(0, 3, 1, 2, 4))  # [S, W, Hkv, G, D]
+        if tau is not None:
+            bias = ops.multiply(bias, ops.unsqueeze(tau, _i64(1, 2)))
+        bias = ops.reshape(bias, _i64(0, kv_heads, groups, -1), True)  # [T, Hkv, G, Lb]
+        band = ops.add(band, ops.transpose(cells(bias), _i64(0, 2, 3, 1, 4)))
+    band = ops.add(band, ops.unsqueeze(cells(key_mask), _i64(1, 2)))
+    if far_block:
+        far = ops.matmul(queries, keys_far, False, True)  # [S, Hkv, G, W, Lf]
+        far = ops.add(far, ops.unsqueeze(far_mask, _i64(1, 2, 3)))
+        top = ops.maximum(ops.reduce_max(far, _i64(-1), True), ops.reduce_max(band, _i64(-1), True))
+        far = ops.exp(ops.subtract(far, top))
+        band = ops.exp(ops.subtract(band, top))
+        total = ops.add(ops.reduce_sum(far, _i64(-1), True), ops.reduce_sum(band, _i64(-1), True))
+        context = ops.add(ops.matmul(far, values_far, False, False), ops.matmul(band, values_band, False, False))
+        context = ops.divide(context, total)  # [S, Hkv, G, W, D]
+    else:
+        context = ops.matmul(ops.softmax(band, -1), values_band, False, False)
+    context = ops.transpose(context, _i64(0, 3, 1, 2, 4))  # [S, W, Hkv, G, D]
     context = ops.reshape(context, _i64(-1, kv_heads * groups * head_dim), False)
     return ops.gather(context, row_cells, _i64(0))
 
@@ -157,9 +181,10 @@ def attention_graph(
     past_k = _param("past_k", [-1, -1, a.num_kv_heads, d], kv_type)
     past_v = _param("past_v", [-1, -1, a.num_kv_heads, d], kv_type)
     key_mask = _param("key_mask", [-1, -1])
+    far_mask = _param("far_mask", [-1, -1])
     key_distance = _param("key_distance", [-1, -1], "i32")
     params = [hidden, hist_k, hist_v, hist_o, conv_index, cell_rows, row_cells, past_k, past_v]
-    params += [key_mask, key_distance]
+    params += [key_mask, far_mask, key_distance]
 
     x = rms_norm(hidden, w.input_norm, eps)
     q = linear(x, w.q_proj, attention_fmt, f"l{i}.q")
@@ -204,8 +229,8 @@ def attention_graph(
 
     # each stream's rows see its cached keys, then its rows of this step (the mask keeps them causal)
     context = segment_attention(
-        q, keys_new, values_new, past_k, past_v, cell_rows, row_cells, key_mask,
-        a.num_kv_heads, d, 1.0 / d, bias, tau,
+        q, keys_new, values_new, past_k, past_v, cell_rows, row_cells, key_mask, far_mask,
+        a.num_kv_heads, d, 1.0 / d, bias, tau, far_block=a.window is None,
     )  # fmt: skip
     o_in = _named(linear(context, w.o_proj, attention_fmt, f"l{i}.o"), "o_conv_in")
     residual = _named(ops.add(hidden, short_conv(o_in, hist_o, conv_index, w.attn_conv)), "residual")
