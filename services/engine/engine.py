@@ -131,6 +131,11 @@ class _Layer:
         return out
 
 
+def _stacked(rows: list[np.ndarray]) -> np.ndarray:
+    """Streams' cached rows as one [S, L, ...] array; a single stream's view is passed on without a copy."""
+    return rows[0][None] if len(rows) == 1 else np.stack(rows)
+
+
 def _infer(
     request: ov.InferRequest, inputs: dict[str, np.ndarray], outputs: list[str] | None = None
 ) -> dict[str, np.ndarray]:
@@ -353,7 +358,7 @@ class StageEngine:
     ) -> np.ndarray:
         """Every layer in one call (Llama family): the key tables are shared, each layer has its own cache."""
         keys_plan = plan.keys[None]
-        past = np.maximum(keys_plan.past_positions, 0)
+        past = keys_plan.past_positions
         inputs = {
             "hidden": hidden,
             "cell_rows": plan.cell_rows,
@@ -363,8 +368,8 @@ class StageEngine:
             "query_position": plan.row_position.astype(np.float32),
         }
         for li in range(len(self._layers)):
-            inputs[f"past_k_{li}"] = np.stack([st.layers[li].keys.read(past[b]) for b, st in enumerate(states)])
-            inputs[f"past_v_{li}"] = np.stack([st.layers[li].values.read(past[b]) for b, st in enumerate(states)])
+            inputs[f"past_k_{li}"] = _stacked([st.layers[li].keys.read(past[b]) for b, st in enumerate(states)])
+            inputs[f"past_v_{li}"] = _stacked([st.layers[li].values.read(past[b]) for b, st in enumerate(states)])
         layers = range(len(self._layers))
         wanted = ["hidden_out", *(f"new_{kv}_{li}" for li in layers for kv in "kv")]
         if trace is not None:
@@ -393,9 +398,9 @@ class StageEngine:
                 [st.conv_history(li, conv, s.start, kernel) for st, s in zip(states, segs, strict=True)]
             )
 
-        past = np.maximum(keys_plan.past_positions, 0)
-        past_k = np.stack([st.layers[li].keys.read(past[b]) for b, st in enumerate(states)])
-        past_v = np.stack([st.layers[li].values.read(past[b]) for b, st in enumerate(states)])
+        past = keys_plan.past_positions
+        past_k = _stacked([st.layers[li].keys.read(past[b]) for b, st in enumerate(states)])
+        past_v = _stacked([st.layers[li].values.read(past[b]) for b, st in enumerate(states)])
         inputs = {
             "hidden": hidden,
             "cell_rows": plan.cell_rows,

@@ -35,40 +35,61 @@ class RingRows:
 
 
 class GrowingRows:
-    """Every row from position 0, allocated in doublings up to `limit` rows."""
+    """Every row from position 0, allocated in doublings up to `limit` rows.
+
+    Index 0 of the storage is a padding row and position p lives at index p + 1, so the usual read of
+    a step plan -- padding slots, then consecutive positions -- is a view of the storage, not a copy
+    of the whole history (which is what long-history decode steps would otherwise pay each time).
+    """
 
     def __init__(self, limit: int, row_shape: tuple[int, ...], initial: int = 64, dtype: str = "float32") -> None:
         self.limit = limit
-        self.data = np.zeros((min(initial, limit), *row_shape), dtype=dtype)
+        self.data = np.zeros((min(initial, limit) + 1, *row_shape), dtype=dtype)
+
+    @property
+    def capacity(self) -> int:
+        return self.data.shape[0] - 1
 
     def reserve(self, rows: int) -> int:
         """Grow to hold `rows` positions; returns the bytes added."""
-        if rows <= self.data.shape[0]:
+        if rows <= self.capacity:
             return 0
         if rows > self.limit:
             raise BudgetExceeded(f"{rows} positions exceed the context budget of {self.limit}")
-        size = self.data.shape[0]
+        size = self.capacity
         while size < rows:
             size *= 2
-        grown = np.zeros((min(size, self.limit), *self.data.shape[1:]), dtype=self.data.dtype)
+        grown = np.zeros((min(size, self.limit) + 1, *self.data.shape[1:]), dtype=self.data.dtype)
         grown[: self.data.shape[0]] = self.data
         added = grown.nbytes - self.data.nbytes
         self.data = grown
         return added
 
     def growth_bytes(self, rows: int) -> int:
-        if rows <= self.data.shape[0]:
+        if rows <= self.capacity:
             return 0
-        size = self.data.shape[0]
+        size = self.capacity
         while size < rows:
             size *= 2
-        return (min(size, self.limit) - self.data.shape[0]) * int(np.prod(self.data.shape[1:])) * self.data.itemsize
+        return (min(size, self.limit) - self.capacity) * int(np.prod(self.data.shape[1:])) * self.data.itemsize
 
     def write(self, positions: np.ndarray, rows: np.ndarray) -> None:
-        self.data[positions] = rows
+        self.data[np.asarray(positions) + 1] = rows
 
     def read(self, positions: np.ndarray) -> np.ndarray:
-        return self.data[positions]
+        """Rows at `positions`; -1 reads an arbitrary row (padding, masked by the caller).
+
+        Plans put padding first and then consecutive positions; then the rows just before the run
+        stand in for the padding and the read is a view.
+        """
+        index = np.maximum(np.asarray(positions), -1) + 1
+        pads = int(np.argmax(index > 0)) if len(index) and index[-1] > 0 else len(index)
+        run = index[pads:]
+        start = int(run[0]) - pads if len(run) else -1
+        contiguous = start >= 0 and int(run[-1]) - int(run[0]) == len(run) - 1
+        if contiguous and (len(run) < 2 or np.all(np.diff(run) == 1)):
+            return self.data[start : int(run[-1]) + 1]
+        return self.data[index]
 
     @property
     def nbytes(self) -> int:
