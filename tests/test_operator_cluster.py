@@ -241,8 +241,13 @@ def test_eleven_node_example_yields_eleven_pinned_statefulsets_and_a_plan(kube, 
 def test_ready_pods_drive_the_fleet_to_ready_and_status_is_not_rewritten(kube, api, operator, nodes):
     wait_for(lambda: len(client.CoreV1Api(api).list_namespaced_pod(
         "serving", label_selector="cascadia.dev/fleet=inkling").items) >= 13, what="pods created")  # fmt: skip
-    make_pods_ready(api, "serving", "inkling")
-    body = wait_for(has_condition(api, "serving", "inkling", "Ready", "True"), what="Ready=True")
+    ready = has_condition(api, "serving", "inkling", "Ready", "True")
+
+    def marked_and_ready():
+        make_pods_ready(api, "serving", "inkling")  # pods the controllers create later are ready too
+        return ready()
+
+    body = wait_for(marked_and_ready, what="Ready=True")
     assert body["status"]["readyShards"] == 11
     assert condition(body, "Degraded")["status"] == "False"
     version = body["metadata"]["resourceVersion"]
@@ -270,8 +275,13 @@ def test_a_shard_that_stays_unready_marks_the_fleet_degraded(kube, api, operator
     apply_fleet(kube, "unready", "slow", spec)
     wait_for(lambda: len(client.CoreV1Api(api).list_namespaced_pod(
         "unready", label_selector="cascadia.dev/fleet=slow").items) >= 13, what="pods created")  # fmt: skip
-    make_pods_ready(api, "unready", "slow", skip={"slow-shard-3-0"})
-    body = wait_for(has_condition(api, "unready", "slow", "Degraded", "True", "ShardUnready"), what="ShardUnready")
+    unready = has_condition(api, "unready", "slow", "Degraded", "True", "ShardUnready")
+
+    def marked_and_degraded():
+        make_pods_ready(api, "unready", "slow", skip={"slow-shard-3-0"})
+        return unready()
+
+    body = wait_for(marked_and_degraded, what="ShardUnready")
     assert "slow-shard-3 on pc-04" in condition(body, "Degraded")["message"]
     assert body["status"]["readyShards"] == 10
 
