@@ -33,7 +33,7 @@ class KeyPlan:
     """
 
     past_positions: np.ndarray  # [S, 1 + Lf + Ln] cache positions: a padding slot, far region, near keys; -1 = pad
-    far_mask: np.ndarray  # [S, 1 + Lf] 0 or -inf
+    far_mask: np.ndarray  # [S, 1 + Lf + Ln] 0 on far keys; -inf on padding and near keys (the band has those)
     step_keys: np.ndarray  # [T, W] rows of this step a row may attend to (its own stream's)
     key_mask: np.ndarray  # [T, Ln + W] 0 or -inf, over the band
     key_distance: np.ndarray  # [T, Ln + W] query position - key position, over the band
@@ -140,7 +140,8 @@ def _key_plan(
     past_positions = np.where(
         in_near, first[:, None] + far[:, None] + slot[None, :] - near_start[:, None], past_positions
     )
-    far_mask = np.where(past_positions[:, : 1 + far_slots] >= 0, np.float32(0.0), NEG_INF).astype(np.float32)
+    # the far block reads every cached slot (no copy of a slice of the history) and masks the band's
+    far_mask = np.where(in_far & (past_positions >= 0), np.float32(0.0), NEG_INF).astype(np.float32)
 
     width = int(lengths.max())
     w = np.arange(width)

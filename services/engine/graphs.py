@@ -74,8 +74,9 @@ def segment_attention(
     """Grouped-query attention computed per stream, not per row, in two key blocks merged by their maxima.
 
     q [T, Hq, D], this step's keys and values [T, Hkv, D], each stream's cached ones [S, Lp, Hkv, D]
-    laid out as `batch.KeyPlan` says: the first Lf slots are the far region (every row sees them,
-    with no bias; `far_mask` [S, Lf] masks padding), the rest with this step's keys form the band,
+    laid out as `batch.KeyPlan` says: the far block reads every cached slot and `far_mask` [S, Lp]
+    leaves it only the far keys (every row sees them, with no bias); the last Ln cached slots with
+    this step's keys form the band,
     where `key_mask` and the relative `bias` ([T, Hq, Lb]) depend on the row; `tau` [T] is the log
     scale of global layers' queries. Each block is exponentiated against the shared row maximum and
     the two are summed (an online softmax over two tiles), so nothing of size [rows, history] other
@@ -86,7 +87,6 @@ def segment_attention(
     """
     groups = q.get_output_partial_shape(0)[1].get_length() // kv_heads
     streams = ops.gather(ops.shape_of(as_f32(past_k), "i64"), _i64(0), _i64(0))
-    far_slots = ops.gather(ops.shape_of(far_mask, "i64"), _i64(1), _i64(0))
     end = _i64(2**62)
 
     def cells(x: Node) -> Node:
@@ -95,20 +95,25 @@ def segment_attention(
         rest = ops.slice(ops.shape_of(gathered, "i64"), _i64(1), _i64(2**31), _i64(1), _i64(0))
         return ops.reshape(gathered, ops.concat([streams, _i64(-1), rest], 0), False)
 
-    def split(cached: Node, new: Node) -> tuple[Node, Node]:
-        """[S, Lp, Hkv, D] + this step's -> far [S, Hkv, 1, Lf, D] and band [S, Hkv, 1, Lb, D]."""
-        cached = as_f32(cached)
-        far = ops.slice(cached, _i64(0), far_slots, _i64(1), _i64(1))
-        band = ops.concat([ops.slice(cached, far_slots, end, _i64(1), _i64(1)), cells(new)], 1)
-        return tuple(ops.unsqueeze(ops.transpose(x, _i64(0, 2, 1, 3)), _i64(2)) for x in (far, band))
+    def heads_first(x: Node) -> Node:
+        """[S, L, Hkv, D] -> [S, Hkv, 1, L, D]."""
+        return ops.unsqueeze(ops.transpose(x, _i64(0, 2, 1, 3)), _i64(2))
+
+    # the band: the last Ln cached slots (Ln = band width - this step's width) and this step's keys
+    width = ops.gather(ops.shape_of(cells(keys_new), "i64"), _i64(1), _i64(0))
+    near_slots = ops.subtract(ops.gather(ops.shape_of(key_mask, "i64"), _i64(1), _i64(0)), width)
+    band_start = ops.subtract(ops.gather(ops.shape_of(past_k, "i64"), _i64(1), _i64(0)), near_slots)
+
+    def band_of(cached: Node, new: Node) -> Node:
+        near = ops.slice(as_f32(cached), band_start, end, _i64(1), _i64(1))
+        return heads_first(ops.concat([near, cells(new)], 1))
 
     queries = ops.reshape(q, _i64(0, kv_heads, groups, head_dim), True)  # [T, Hkv, G, D]
     row_scale = _f32(scale)
     if tau is not None:
         row_scale = ops.multiply(ops.unsqueeze(tau, _i64(1, 2, 3)), row_scale)  # [T, 1, 1, 1]
     queries = ops.transpose(cells(ops.multiply(queries, row_scale)), _i64(0, 2, 3, 1, 4))  # [S, Hkv, G, W, D]
-    keys_far, keys_band = split(past_k, keys_new)
-    values_far, values_band = split(past_v, values_new)
+    keys_band, values_band = band_of(past_k, keys_new), band_of(past_v, values_new)
     band = ops.matmul(queries, keys_band, False, True)  # [S, Hkv, G, W, Lb]
     if bias is not None:
         if tau is not None:
@@ -117,7 +122,9 @@ def segment_attention(
         band = ops.add(band, ops.transpose(cells(bias), _i64(0, 2, 3, 1, 4)))
     band = ops.add(band, ops.unsqueeze(cells(key_mask), _i64(1, 2)))
     if far_block:
-        far = ops.matmul(queries, keys_far, False, True)  # [S, Hkv, G, W, Lf]
+        # every cached slot; the mask leaves only the far keys (padding and the band's own are -inf)
+        keys_far, values_far = heads_first(as_f32(past_k)), heads_first(as_f32(past_v))
+        far = ops.matmul(queries, keys_far, False, True)  # [S, Hkv, G, W, Lp]
         far = ops.add(far, ops.unsqueeze(far_mask, _i64(1, 2, 3)))
         top = ops.maximum(ops.reduce_max(far, _i64(-1), True), ops.reduce_max(band, _i64(-1), True))
         far = ops.exp(ops.subtract(far, top))
