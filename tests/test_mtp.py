@@ -428,5 +428,29 @@ def test_streams_that_draft_nothing_keep_their_depths_within_reach(head: MtpHead
         drafter.sampled("busy", int(rng.integers(3, 500)))
     record = drafter._streams["busy"]
     assert len(record.trunk) <= MtpDrafter.CATCH_UP + 1
-    assert all(record.rows - head.position(k, "busy") <= MtpDrafter.CATCH_UP + k + 1 for k in range(DEPTHS))
+    # each depth waits until it is more than CATCH_UP behind the one before: bounded, not growing
+    assert all(record.rows - head.position(k, "busy") <= 2 * MtpDrafter.CATCH_UP + k + 1 for k in range(DEPTHS))
+    assert all(len(outputs) <= 2 * MtpDrafter.CATCH_UP + DEPTHS for outputs in record.outputs)
     drafter.close("busy")
+
+
+def test_a_long_prompt_catches_up_in_windows_and_drafts_the_same(
+    mtp_model: Path, reference: MtpReference, head: MtpHead, monkeypatch
+):
+    """With tiny catch-up windows, a prompt far longer than them is taken a window at a time per depth,
+    and the drafts still equal the reference chain's, round after round."""
+    monkeypatch.setattr(MtpDrafter, "CATCH_UP", 3)
+    monkeypatch.setattr(MtpDrafter, "WINDOW", 5)
+    runs: list[int] = []
+    original = MtpHead.run_depth
+
+    def counted(self, depth, segments, prev, ahead):
+        runs.append(sum(s.length for s in segments))
+        return original(self, depth, segments, prev, ahead)
+
+    monkeypatch.setattr(MtpHead, "run_depth", counted)
+    prompts = {"long": prompt(40, 33)}
+    plain, _ = speculate(mtp_model, head, prompts, rounds=12)
+    runs.clear()
+    speculate(mtp_model, head, prompts, rounds=5, reference=reference, truth=plain)
+    assert max(runs) <= 5 + DEPTHS  # no step over the whole prompt

@@ -104,8 +104,9 @@ class MtpHead:
 class MtpDrafter:
     """Drafts with an `MtpHead` for many streams at once, keeping every depth current on confirmed tokens."""
 
-    # a depth that fell this far behind catches up even when no draft needs it
+    # a depth that fell this far behind catches up even when no draft needs it, in windows of this size
     CATCH_UP = 64
+    WINDOW = 256
 
     def __init__(self, head: MtpHead) -> None:
         self.head = head
@@ -159,20 +160,14 @@ class MtpDrafter:
         head = self.head
         drafts: dict[Hashable, list[int]] = {s: [] for s in wanted}
         ready = [s for s in wanted if self._streams[s].has_sampled]
+        self._catch_up(ready)
         fresh: dict[Hashable, dict[int, np.ndarray]] = {}  # depth k-1's outputs from this round
         for k in range(head.depths):
             batch: list[tuple[Hashable, Segment, bool]] = []
             for s in ready:
-                record = self._streams[s]
-                n, start = record.rows, head.position(k, s)
-                drafting = k < wanted[s] and len(drafts[s]) == k
-                if drafting:
+                n, start = self._streams[s].rows, head.position(k, s)
+                if k < wanted[s] and len(drafts[s]) == k and n > start:
                     batch.append((s, Segment(s, start, n - start), True))
-                elif n - start > self.CATCH_UP:
-                    # only rows whose inputs are confirmed and whose previous depth is committed
-                    end = n if k == 0 else min(n - k, head.position(k - 1, s))
-                    if end > start:
-                        batch.append((s, Segment(s, start, end - start), False))
             if not batch:
                 break
             prev, ahead = [], []
@@ -204,6 +199,40 @@ class MtpDrafter:
             for s, _, _ in batch:
                 self._prune(s)
         return drafts
+
+    def _catch_up(self, streams: Sequence[Hashable]) -> None:
+        """Bring every depth within CATCH_UP rows of what it can commit, a window at a time (a long
+        prompt must not become one step over all its rows)."""
+        head = self.head
+        for k in range(head.depths):
+            batch_started: dict[Hashable, bool] = {}  # once a depth catches up, it goes all the way
+            while True:
+                batch = []
+                for s in streams:
+                    record = self._streams[s]
+                    start = head.position(k, s)
+                    # rows whose inputs are confirmed and whose previous depth is committed
+                    end = record.rows if k == 0 else min(record.rows - k, head.position(k - 1, s))
+                    if end - start > self.CATCH_UP or (batch_started.get(s, False) and end - start > (k == 0)):
+                        # depth 0 leaves its last row to the drafting pass, which needs that row's logits
+                        batch.append(Segment(s, start, min(end - start - (k == 0), self.WINDOW)))
+                        batch_started[s] = True
+                if not batch:
+                    break
+                prev, ahead = [], []
+                for seg in batch:
+                    record = self._streams[seg.stream]
+                    for t in range(seg.start, seg.start + seg.length):
+                        prev.append(record.trunk[t] if k == 0 else record.outputs[k - 1][t])
+                        ahead.append(record.tokens[t + k + 1])
+                raw = head.run_depth(k, batch, np.stack(prev), np.asarray(ahead))
+                row = 0
+                for seg in batch:
+                    outputs = self._streams[seg.stream].outputs[k]
+                    for t in range(seg.start, seg.start + seg.length):
+                        outputs[t] = raw[row]
+                        row += 1
+                    self._prune(seg.stream)
 
     def _prune(self, stream: Hashable) -> None:
         """Drop what no depth will read again: trunk states below depth 0's commit, outputs below the next's."""
