@@ -65,6 +65,7 @@ def captured(tiny: Path, tmp_path_factory: pytest.TempPathFactory):
         off = cli("capture", "--router", f"127.0.0.1:{port}", "--off")
         assert off.returncode == 0, off.stderr
         assert "stage 0: off" in off.stderr and "stage 1: off" in off.stderr
+        assert " 0 files" not in off.stderr  # the stopped capture reports what it wrote
     finally:
         fleet.stop()
     return root / "cap", requests, got, fleet

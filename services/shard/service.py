@@ -176,16 +176,18 @@ class ShardServicer(rpc.ShardServicer):
                 self.capture = recorder
             elif self.capture is not None:
                 self.capture.flush()
+                stopped = self._capture_status(enabled=False)  # what was written, reported once more
                 self.capture = None
+                return stopped
             return self._capture_status()
 
-    def _capture_status(self):
+    def _capture_status(self, enabled: bool = True):
         c = self.capture
         if c is None:
             return pb.CaptureStatus(stage=self.stage)
         return pb.CaptureStatus(
             stage=self.stage,
-            enabled=not c.full,
+            enabled=enabled and not c.full,
             full=c.full,
             used_bytes=c.used_bytes,
             budget_bytes=c.settings.budget_bytes,
