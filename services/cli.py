@@ -69,6 +69,21 @@ def model_tiny(
     err.print(f"wrote {out}")
 
 
+def check_precision(precision: str) -> None:
+    from cascadia.engine.settings import PRECISION_PRESETS
+
+    if precision not in PRECISION_PRESETS:
+        raise fail(f"--precision '{precision}' is not one of {', '.join(PRECISION_PRESETS)}")
+
+
+def parse_layers(layers: str) -> tuple[int, int]:
+    try:
+        start, end = (int(x) for x in layers.split(":"))
+    except ValueError:
+        raise fail(f"--layers '{layers}': expected A:B") from None
+    return start, end
+
+
 def resolve_model(model: str) -> Path:
     """The checkpoint directory or GGUF file behind --model (a packaged model's name resolves to its file)."""
     from cascadia.model.loader import ModelNotFound, resolve
@@ -127,12 +142,11 @@ def generate(
     """Generate a continuation of a prompt (greedy unless a temperature is given)."""
     from cascadia.engine.generate import generate as run
     from cascadia.engine.sampling import SamplingParams
-    from cascadia.engine.settings import PRECISION_PRESETS, preset
+    from cascadia.engine.settings import preset
 
     if (prompt is None) == (prompt_ids is None):
         raise fail("give exactly one of --prompt and --prompt-ids")
-    if precision not in PRECISION_PRESETS:
-        raise fail(f"--precision '{precision}' is not one of {', '.join(PRECISION_PRESETS)}")
+    check_precision(precision)
     if speculation not in ("on", "off"):
         raise fail(f"--speculation '{speculation}' is not one of on, off")
     model_dir = resolve_model(model)
@@ -296,17 +310,13 @@ def shard(
     """Serve one contiguous layer range as a stage of the chain."""
     import logging
 
-    from cascadia.engine.settings import PRECISION_PRESETS, preset
+    from cascadia.engine.settings import preset
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if (next_addr is None) == (reply_to is None):
         raise fail("give exactly one of --next and --reply-to")
-    if precision not in PRECISION_PRESETS:
-        raise fail(f"--precision '{precision}' is not one of {', '.join(PRECISION_PRESETS)}")
-    try:
-        start, end = (int(x) for x in layers.split(":"))
-    except ValueError:
-        raise fail(f"--layers '{layers}': expected A:B") from None
+    check_precision(precision)
+    start, end = parse_layers(layers)
     model_dir = resolve_model(model)
     from cascadia.model.checkpoint import CheckpointError
     from cascadia.model.config import ConfigError
@@ -472,16 +482,12 @@ def replay_command(
     """Recompute a layer range from captured inputs; per-layer deviation from what the fleet computed."""
     from rich.table import Table
 
-    from cascadia.engine.settings import PRECISION_PRESETS, preset
+    from cascadia.engine.settings import preset
     from cascadia.replay import replay
     from cascadia.shard.capture import CaptureError, read_capture
 
-    if precision not in PRECISION_PRESETS:
-        raise fail(f"--precision '{precision}' is not one of {', '.join(PRECISION_PRESETS)}")
-    try:
-        start, end = (int(x) for x in layers.split(":"))
-    except ValueError:
-        raise fail(f"--layers '{layers}': expected A:B") from None
+    check_precision(precision)
+    start, end = parse_layers(layers)
     try:
         stages = read_capture(capture_path)
     except (CaptureError, OSError) as exc:
@@ -782,12 +788,10 @@ def up(
     import subprocess
     import time
 
-    from cascadia.engine.settings import PRECISION_PRESETS
     from cascadia.router.local import LocalFleet, free_port, local_ranges
 
     model_dir = resolve_model(model)
-    if precision not in PRECISION_PRESETS:
-        raise fail(f"--precision '{precision}' is not one of {', '.join(PRECISION_PRESETS)}")
+    check_precision(precision)
     if speculation not in ("on", "off"):
         raise fail(f"--speculation '{speculation}' is not one of on, off")
     if kv_precision not in ("f32", "f16"):

@@ -129,7 +129,9 @@ def run_mtp_bench(config: MtpBenchConfig, console: Console) -> dict[str, Any]:
             f"{streams} streams: last stage step {step_ms:.2f} ms, MTP chain of {head.depths} depths {chain_ms:.2f} ms"
         )
         if prefix_head is not None:
-            row["mtp_chain_prefix_ms"] = _time_chain(prefix_head, streams, config.rounds, shape.hidden_size, 64)
+            row["mtp_chain_prefix_ms"] = _time_chain(
+                prefix_head, streams, config.rounds, shape.hidden_size, shape.unpadded_vocab_size
+            )
             line += f", over the first {config.vocab_prefix} ids {row['mtp_chain_prefix_ms']:.2f} ms"
         cost.append(row)
         console.print(line)

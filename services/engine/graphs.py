@@ -16,7 +16,7 @@ import openvino as ov
 import openvino.opset16 as ops
 from openvino.utils.node_factory import NodeFactory
 
-from cascadia.engine.weights import Quantized, Weight, WeightFormat, weight_node
+from cascadia.engine.weights import Weight, WeightFormat, weight_node
 from cascadia.model.checkpoint import LayerWeights
 from cascadia.model.config import ModelShape
 from cascadia.model.formats import as_float, join_input_columns, join_output_rows
@@ -373,14 +373,18 @@ def embed_graph(embed: Weight, embed_norm: np.ndarray | None, eps: float, fmt: W
     return ov.Model([ops.result(out)], [ids], "embed")
 
 
-def head_graph(shape: ModelShape, final_norm: np.ndarray, head: Weight, fmt: WeightFormat) -> ov.Model:
-    """Final norm, division by the muP width multiplier, head, and the slice to the unpadded vocabulary."""
+def head_graph(
+    shape: ModelShape, final_norm: np.ndarray | None, head: Weight, fmt: WeightFormat, vocab: int | None = None
+) -> ov.Model:
+    """Final norm, division by the muP width multiplier, head, and the slice to the first `vocab` ids
+    (default: the unpadded vocabulary). The MTP head's draft logits use it with no norm."""
     hidden = _param("hidden", [-1, shape.hidden_size])
-    x = rms_norm(hidden, final_norm, shape.rms_norm_eps)
+    x = hidden if final_norm is None else rms_norm(hidden, final_norm, shape.rms_norm_eps)
     if shape.logits_mup_width_multiplier != 1.0:
         x = ops.divide(x, _f32(shape.logits_mup_width_multiplier))
-    if shape.unpadded_vocab_size < shape.vocab_size:
-        head = head[: shape.unpadded_vocab_size] if isinstance(head, np.ndarray) else _unpadded(head, shape)
+    vocab = shape.unpadded_vocab_size if vocab is None else vocab
+    if vocab < head.shape[0]:
+        head = head[:vocab] if isinstance(head, np.ndarray) else head.map_blocks(lambda a: a[:vocab])
     logits = linear(x, head, fmt, "head")
     return ov.Model([ops.result(_named(logits, "logits"))], [hidden], "head")
 
@@ -411,17 +415,6 @@ def mtp_input_graph(
     return ov.Model([ops.result(_named(out, "block_input"))], [prev, embedded], "mtp_input")
 
 
-def mtp_logits_graph(shape: ModelShape, head: Weight, fmt: WeightFormat, vocab: int) -> ov.Model:
-    """Draft logits from a depth's raw block output: no norm, the muP division, the first `vocab` head rows."""
-    hidden = _param("hidden", [-1, shape.hidden_size])
-    x = hidden
-    if shape.logits_mup_width_multiplier != 1.0:
-        x = ops.divide(x, _f32(shape.logits_mup_width_multiplier))
-    rows = head[:vocab] if isinstance(head, np.ndarray) else head.map_blocks(lambda a: a[:vocab])
-    logits = linear(x, rows, fmt, "head")
-    return ov.Model([ops.result(_named(logits, "logits"))], [hidden], "mtp_logits")
-
-
 def dense_as_experts_graph(shape: ModelShape, layer: LayerWeights) -> ov.Model:
     """A dense layer's MLP alone, as all-active expert slices (the engine's path), for benchmarks."""
     x = _param("mlp_input", [-1, shape.hidden_size])
@@ -439,7 +432,3 @@ def dense_mlp_graph(shape: ModelShape, layer: LayerWeights) -> ov.Model:
     act = ops.multiply(swish(linear(x, gate, "f32", "gate")), linear(x, up, "f32", "up"))
     out = ops.multiply(linear(act, down, "f32", "down"), _f32(layer.dense_scale))
     return ov.Model([ops.result(out)], [x], "dense_mlp")
-
-
-def _unpadded(head: Quantized, shape: ModelShape) -> Quantized:
-    return head.map_blocks(lambda a: a[: shape.unpadded_vocab_size])

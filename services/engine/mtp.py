@@ -69,7 +69,7 @@ class MtpHead:
             block = StageWeights(shape, k, k + 1, (depth.block,), None, None, None, None)
             self.blocks.append(StageEngine(block, settings))
             tick(f"MTP depth {k} block")
-        logits = graphs.mtp_logits_graph(shape, weights.head, settings.head_weights, self.vocab)
+        logits = graphs.head_graph(shape, None, weights.head, settings.head_weights, self.vocab)
         self._logits = core.compile_model(logits, settings.device, cfg).create_infer_request()
         tick("MTP head")
 
@@ -163,16 +163,16 @@ class MtpDrafter:
         self._catch_up(ready)
         fresh: dict[Hashable, dict[int, np.ndarray]] = {}  # depth k-1's outputs from this round
         for k in range(head.depths):
-            batch: list[tuple[Hashable, Segment, bool]] = []
-            for s in ready:
-                n, start = self._streams[s].rows, head.position(k, s)
-                if k < wanted[s] and len(drafts[s]) == k and n > start:
-                    batch.append((s, Segment(s, start, n - start), True))
+            batch = [
+                Segment(s, head.position(k, s), self._streams[s].rows - head.position(k, s))
+                for s in ready
+                if k < wanted[s] and len(drafts[s]) == k and self._streams[s].rows > head.position(k, s)
+            ]
             if not batch:
                 break
             prev, ahead = [], []
-            for s, seg, _ in batch:
-                record, n = self._streams[s], self._streams[s].rows
+            for seg in batch:
+                record, n, s = self._streams[seg.stream], self._streams[seg.stream].rows, seg.stream
                 for t in range(seg.start, seg.start + seg.length):
                     if k == 0:
                         prev.append(record.trunk[t])
@@ -180,45 +180,41 @@ class MtpDrafter:
                         prev.append(fresh[s][t] if t in fresh.get(s, {}) else record.outputs[k - 1][t])
                     j = t + k + 1
                     ahead.append(record.tokens[j] if j <= n else drafts[s][j - n - 1])
-            raw = head.run_depth(k, [seg for _, seg, _ in batch], np.stack(prev), np.asarray(ahead))
-            ends = np.cumsum([seg.length for _, seg, _ in batch])
-            drafting_rows = [int(end) - 1 for (_, _, d), end in zip(batch, ends, strict=True) if d]
-            choices = iter(np.argmax(head.logits(raw[drafting_rows]), axis=-1)) if drafting_rows else iter(())
+            raw = head.run_depth(k, batch, np.stack(prev), np.asarray(ahead))
+            ends = np.cumsum([seg.length for seg in batch])
+            choices = np.argmax(head.logits(raw[ends - 1]), axis=-1)  # each stream's last row drafts
             fresh = {}
-            for (s, seg, drafting), end in zip(batch, ends, strict=True):
-                record, n = self._streams[s], self._streams[s].rows
+            for seg, end, choice in zip(batch, ends, choices, strict=True):
+                record, n = self._streams[seg.stream], self._streams[seg.stream].rows
                 rows = raw[int(end) - seg.length : int(end)]
-                fresh[s] = {seg.start + i: rows[i] for i in range(seg.length)}
+                fresh[seg.stream] = {seg.start + i: rows[i] for i in range(seg.length)}
                 keep = min(seg.start + seg.length, max(seg.start, n - k))  # rows t <= n-1-k read confirmed ids
                 for t in range(seg.start, keep):
-                    record.outputs[k][t] = fresh[s][t]
-                if head.position(k, s) > keep:
-                    head.rewind(k, s, keep)
-                if drafting:
-                    drafts[s].append(int(next(choices)))
-            for s, _, _ in batch:
-                self._prune(s)
+                    record.outputs[k][t] = fresh[seg.stream][t]
+                if head.position(k, seg.stream) > keep:
+                    head.rewind(k, seg.stream, keep)
+                drafts[seg.stream].append(int(choice))
+                self._prune(seg.stream)
         return drafts
 
     def _catch_up(self, streams: Sequence[Hashable]) -> None:
-        """Bring every depth within CATCH_UP rows of what it can commit, a window at a time (a long
-        prompt must not become one step over all its rows)."""
+        """A depth more than CATCH_UP rows behind what it can commit catches up all the way, a window at a
+        time (a long prompt must not become one step over all its rows)."""
         head = self.head
         for k in range(head.depths):
-            batch_started: dict[Hashable, bool] = {}  # once a depth catches up, it goes all the way
-            while True:
-                batch = []
-                for s in streams:
-                    record = self._streams[s]
-                    start = head.position(k, s)
-                    # rows whose inputs are confirmed and whose previous depth is committed
-                    end = record.rows if k == 0 else min(record.rows - k, head.position(k - 1, s))
-                    if end - start > self.CATCH_UP or (batch_started.get(s, False) and end - start > (k == 0)):
-                        # depth 0 leaves its last row to the drafting pass, which needs that row's logits
-                        batch.append(Segment(s, start, min(end - start - (k == 0), self.WINDOW)))
-                        batch_started[s] = True
-                if not batch:
-                    break
+            targets = {}
+            for s in streams:
+                record = self._streams[s]
+                # rows whose inputs are confirmed and whose previous depth is committed; depth 0 leaves
+                # its last row to the drafting pass, which needs that row's logits
+                end = record.rows - 1 if k == 0 else min(record.rows - k, head.position(k - 1, s))
+                if end - head.position(k, s) >= self.CATCH_UP:
+                    targets[s] = end
+            while batch := [
+                Segment(s, head.position(k, s), min(end - head.position(k, s), self.WINDOW))
+                for s, end in targets.items()
+                if head.position(k, s) < end
+            ]:
                 prev, ahead = [], []
                 for seg in batch:
                     record = self._streams[seg.stream]

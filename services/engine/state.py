@@ -82,13 +82,12 @@ class GrowingRows:
         Plans put padding first and then consecutive positions; then the rows just before the run
         stand in for the padding and the read is a view.
         """
-        index = np.maximum(np.asarray(positions), -1) + 1
-        pads = int(np.argmax(index > 0)) if len(index) and index[-1] > 0 else len(index)
-        run = index[pads:]
-        start = int(run[0]) - pads if len(run) else -1
-        contiguous = start >= 0 and int(run[-1]) - int(run[0]) == len(run) - 1
-        if contiguous and (len(run) < 2 or np.all(np.diff(run) == 1)):
-            return self.data[start : int(run[-1]) + 1]
+        index = np.asarray(positions) + 1
+        pads = int(np.count_nonzero(index == 0))
+        first = int(index[pads]) - pads if pads < len(index) else -1
+        run = np.arange(first + pads, first + len(index))
+        if first >= 0 and not index[:pads].any() and np.array_equal(index[pads:], run):
+            return self.data[first : first + len(index)]
         return self.data[index]
 
     @property
