@@ -11,17 +11,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 from rich.console import Console
 
+from cascadia.bench.hop import hop_cost
 from cascadia.engine.sampling import SamplingParams
 from cascadia.model.loader import load_shape
-from cascadia.router.local import LocalFleet, free_port
+from cascadia.router.local import LocalFleet
 from cascadia.router.netem import EmulatedNetwork, LinkShape
 from cascadia.router.pipeline import PipelineDriver
 from cascadia.router.scheduler import Request, SchedulerConfig
-from cascadia.shard.service import CHANNEL_OPTIONS, pb, rpc
 
 
 @dataclass(frozen=True)
@@ -35,35 +34,6 @@ class FleetBenchConfig:
     rows_per_group: int = 8
     precision: str = "f32"
     link: LinkShape | None = None  # shards behind emulated links instead of loopback
-
-
-class FrameSink(rpc.ShardServicer):
-    """Acknowledges every frame and does nothing else: what is left is the cost of the hop."""
-
-    async def Submit(self, frame, context):
-        return pb.Ack()
-
-
-async def hop_cost(rows: int = 8, hidden: int = 6144, repeats: int = 200) -> dict[str, float]:
-    """Median time to send one frame of rows x hidden FP32 to a server on loopback and get its ack."""
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    rpc.add_ShardServicer_to_server(FrameSink(), server)
-    port = free_port()
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
-    data = np.random.default_rng(0).standard_normal((rows, hidden)).astype("<f4")
-    frame = pb.Frame(frame_id=1, hidden=pb.Tensor(shape=[rows, hidden], data=data.tobytes()))
-    frame.rows.extend(pb.RowBlock(stream=f"s{i}", start=100, length=1) for i in range(rows))
-    times = []
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) as channel:
-        stub = rpc.ShardStub(channel)
-        for i in range(repeats + 10):
-            start = time.perf_counter()
-            await stub.Submit(frame)
-            if i >= 10:
-                times.append(time.perf_counter() - start)
-    await server.stop(0)
-    return {"rows": rows, "hidden": hidden, "bytes": data.nbytes, "median_ms": statistics.median(times) * 1e3}
 
 
 async def _fleet_round(driver: PipelineDriver, streams: int, config: FleetBenchConfig, seed: int) -> dict[str, float]:
@@ -112,7 +82,11 @@ async def _run_fleet(fleet: LocalFleet, config: FleetBenchConfig, console: Conso
 def run_fleet_bench(config: FleetBenchConfig, console: Console) -> dict[str, Any]:
     config.out.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {"model": str(config.model), "hop": asyncio.run(hop_cost()), "fleets": {}}
-    console.print(f"one hop of 8 x 6144 FP32 on loopback: {summary['hop']['median_ms']:.3f} ms")
+    hop = summary["hop"]
+    console.print(
+        f"one hop of 8 x 6144 FP32 on loopback: {hop['median_ms']:.3f} ms round trip, "
+        f"{hop['streamed_ms']:.3f} ms per frame streamed"
+    )
     if config.link is not None:
         summary["link"] = {
             "rate": config.link.rate,

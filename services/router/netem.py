@@ -5,12 +5,19 @@ netem for latency and loss.
 Every hop between machines of the real fleet crosses exactly one shaped link: a shard's egress.
 The router and gateway stay in the root namespace, as machine 0 would hold them. Needs root (or
 CAP_NET_ADMIN) and iproute2.
+
+Kernels built without netem still shape the rate with the token bucket; latency and loss then
+act on the packets entering the shard's namespace instead: iptables drops a random share of them
+(the `statistic` match) and sends the rest through a netfilter queue that a `delay_line` process
+releases after the delay. Each hop still crosses one shaped link (the one into its receiver).
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
+import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -25,9 +32,13 @@ class LinkShape:
         if self.delay_ms < 0 or not 0 <= self.loss_percent < 100:
             raise ValueError(f"link delay {self.delay_ms} ms / loss {self.loss_percent}% out of range")
 
-    def qdisc_args(self) -> list[str]:
-        """netem when latency or loss is asked (the kernel needs sch_netem); a token bucket otherwise."""
-        if not (self.delay_ms or self.loss_percent):
+    @property
+    def impaired(self) -> bool:
+        return bool(self.delay_ms or self.loss_percent)
+
+    def qdisc_args(self, netem: bool = True) -> list[str]:
+        """netem when latency or loss is asked and the kernel has it; a token bucket otherwise."""
+        if not (netem and self.impaired):
             return ["tbf", "rate", self.rate, "burst", self.burst, "latency", "1s"]
         args = ["netem", "rate", self.rate]
         if self.delay_ms:
@@ -67,7 +78,40 @@ def plan_network(tag: str, hosts: int, subnet: int = 77) -> NetworkPlan:
     )
 
 
-def setup_commands(plan: NetworkPlan, shape: LinkShape) -> list[list[str]]:
+DELAY_QUEUE = 0  # netfilter queue numbers are per namespace: every host can use the same one
+
+
+def ingress_impairment_commands(shape: LinkShape) -> list[list[str]]:
+    """iptables rules (run inside a host's namespace) for latency and loss without netem."""
+    rule = ["iptables", "-t", "mangle", "-A", "PREROUTING", "-i", "eth0"]
+    out = []
+    if shape.loss_percent:
+        out.append([*rule, "-m", "statistic", "--mode", "random", "--probability", f"{shape.loss_percent / 100:.6f}"])
+        out[-1] += ["-j", "DROP"]
+    if shape.delay_ms:
+        out.append([*rule, "-j", "NFQUEUE", "--queue-num", str(DELAY_QUEUE)])
+    return out
+
+
+def link_commands(plan: NetworkPlan, shapes: Sequence[LinkShape], netem: bool) -> list[list[str]]:
+    """Shape every host's link: `shapes[i]` for host i. Without netem, latency and loss need the
+    delay lines (`EmulatedNetwork` starts them before these rules queue any packet)."""
+    out = []
+    for host, shape in zip(plan.hosts, shapes, strict=True):
+        ns = ["ip", "netns", "exec", host.namespace]
+        out.append([*ns, "tc", "qdisc", "add", "dev", "eth0", "root", *shape.qdisc_args(netem)])
+        if not netem:
+            out += [[*ns, *c] for c in ingress_impairment_commands(shape)]
+    return out
+
+
+def setup_commands(plan: NetworkPlan, shape: LinkShape | Sequence[LinkShape], netem: bool = True) -> list[list[str]]:
+    """Namespaces, links and addresses, then the shaping (one shape for all hosts, or one per host)."""
+    shapes = [shape] * len(plan.hosts) if isinstance(shape, LinkShape) else list(shape)
+    return namespace_commands(plan) + link_commands(plan, shapes, netem)
+
+
+def namespace_commands(plan: NetworkPlan) -> list[list[str]]:
     cidr = f"/{plan.prefix_length}"
     out = [
         ["ip", "link", "add", plan.bridge, "type", "bridge"],
@@ -85,7 +129,6 @@ def setup_commands(plan: NetworkPlan, shape: LinkShape) -> list[list[str]]:
             [*ns, "ip", "link", "set", "eth0", "up"],
             [*ns, "ip", "link", "set", "lo", "up"],
             [*ns, "ip", "route", "add", "default", "via", plan.gateway_address],
-            [*ns, "tc", "qdisc", "add", "dev", "eth0", "root", *shape.qdisc_args()],
         ]
     return out
 
@@ -96,28 +139,81 @@ def teardown_commands(plan: NetworkPlan) -> list[list[str]]:
 
 
 class EmulatedNetwork:
-    """Creates the plan's namespaces on entry and removes them on exit (also after a failed setup)."""
+    """Creates the plan's namespaces on entry and removes them on exit (also after a failed setup).
 
-    def __init__(self, hosts: int, shape: LinkShape, tag: str | None = None) -> None:
+    `links` gives hosts whose link differs from `shape` (e.g. one slow, lossy hop)."""
+
+    def __init__(
+        self, hosts: int, shape: LinkShape, tag: str | None = None, links: Mapping[int, LinkShape] | None = None
+    ) -> None:
         self.plan = plan_network(tag or format(os.getpid() % 0xFFFFFF, "x"), hosts)
         self.shape = shape
+        if links and not all(0 <= i < hosts for i in links):
+            raise ValueError(f"links for hosts {sorted(links)}: the network has hosts 0 to {hosts - 1}")
+        self.shapes = [dict(links or {}).get(i, shape) for i in range(hosts)]
+        self.netem = True
+        self._delay_lines: list[subprocess.Popen] = []
 
     def __enter__(self) -> EmulatedNetwork:
         try:
-            for command in setup_commands(self.plan, self.shape):
-                subprocess.run(command, check=True, capture_output=True, text=True)
+            for command in namespace_commands(self.plan):
+                run(command)
+            self.netem = not any(s.impaired for s in self.shapes) or kernel_has_netem(self.prefix(0))
+            if not self.netem:
+                for i, shape in enumerate(self.shapes):
+                    if shape.delay_ms:
+                        self._delay_lines.append(self._start_delay_line(i, shape.delay_ms))
+            for command in link_commands(self.plan, self.shapes, self.netem):
+                run(command)
         except subprocess.CalledProcessError as exc:
             self.__exit__()
-            hint = ""
-            if "qdisc kind is unknown" in exc.stderr and "netem" in exc.cmd:
-                hint = " (this kernel has no netem: latency and loss cannot be emulated; a rate alone can)"
-            raise RuntimeError(f"emulated network: '{' '.join(exc.cmd)}' failed: {exc.stderr.strip()}{hint}") from None
+            raise RuntimeError(f"emulated network: '{' '.join(exc.cmd)}' failed: {exc.stderr.strip()}") from None
+        except (RuntimeError, FileNotFoundError):
+            self.__exit__()
+            raise
         return self
 
+    def _start_delay_line(self, host: int, delay_ms: float) -> subprocess.Popen:
+        cmd = [*self.prefix(host), sys.executable, "-m", "cascadia.router.delay_line"]
+        cmd += ["--queue", str(DELAY_QUEUE), "--delay-ms", str(delay_ms)]
+        process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert process.stdout is not None
+        if process.stdout.readline().strip() != "ready":
+            error = process.communicate(timeout=10)[1].strip().splitlines()
+            raise RuntimeError(
+                f"emulated network: the delay line for host {host} did not start "
+                f"(latency without netem needs iptables and the NetfilterQueue package): {error[-1] if error else ''}"
+            )
+        return process
+
     def __exit__(self, *_: object) -> None:
+        for process in self._delay_lines:
+            process.terminate()
+        for process in self._delay_lines:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        self._delay_lines.clear()
         for command in teardown_commands(self.plan):
             subprocess.run(command, capture_output=True)
+
+    def delay_lines_alive(self) -> bool:
+        return all(p.poll() is None for p in self._delay_lines)
 
     def prefix(self, host: int) -> list[str]:
         """Run a command inside host `host`'s namespace."""
         return ["ip", "netns", "exec", self.plan.hosts[host].namespace]
+
+
+def run(command: list[str]) -> None:
+    subprocess.run(command, check=True, capture_output=True, text=True)
+
+
+def kernel_has_netem(prefix: list[str]) -> bool:
+    """Try a netem qdisc on a namespace's loopback (and take it away again)."""
+    probe = subprocess.run([*prefix, "tc", "qdisc", "add", "dev", "lo", "root", "netem"], capture_output=True)
+    if probe.returncode != 0:
+        return False
+    subprocess.run([*prefix, "tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)
+    return True

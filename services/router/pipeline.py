@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cascadia import tls
 from cascadia.draft.client import Proposer
+from cascadia.frame_stream import FrameStream
 from cascadia.router.scheduler import Emitted, Frame, Request, Scheduler, SchedulerConfig, choose_draft
 from cascadia.shard.service import CHANNEL_OPTIONS, pb, rpc
 from cascadia.wire import sampling_message
@@ -50,6 +51,25 @@ class _Collector(rpc.CollectorServicer):
         self.driver.on_result(result)
         return pb.Ack()
 
+    async def DeliverAll(self, results, context):
+        # Ends with OK when the driver stops: the last stage keeps its stream open, and a stream
+        # still open when the server stops is cancelled (and gRPC prints that for every stream).
+        stopping = asyncio.ensure_future(self.driver.stopping.wait())
+        try:
+            while True:
+                read = asyncio.ensure_future(context.read())
+                await asyncio.wait({read, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                if not read.done():
+                    read.cancel()
+                    return
+                result = read.result()
+                if result is grpc.aio.EOF:
+                    return
+                self.driver.on_result(result)
+                await context.write(pb.Receipt(frame_id=result.frame_id))
+        finally:
+            stopping.cancel()
+
 
 class PipelineDriver:
     def __init__(
@@ -72,9 +92,10 @@ class PipelineDriver:
         self._closes: list[str] = []
         self._server: grpc.aio.Server | None = None
         self._channels: list[grpc.aio.Channel] = []
-        self._first: rpc.ShardStub | None = None
+        self._first: FrameStream | None = None
         self._watchdog: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
+        self.stopping = asyncio.Event()
 
     async def start(self) -> None:
         self._server = grpc.aio.server(options=CHANNEL_OPTIONS)
@@ -82,7 +103,8 @@ class PipelineDriver:
         tls.add_port(self._server, self.listen)
         await self._server.start()
         self._channels = [tls.channel(a, CHANNEL_OPTIONS) for a in self.stage_addrs]
-        self._first = rpc.ShardStub(self._channels[0])
+        first = rpc.ShardStub(self._channels[0]).Push
+        self._first = FrameStream(first, self._refused, f"stage 0 at {self.stage_addrs[0]}")
         self._watchdog = asyncio.create_task(self._watch())
 
     async def wait_ready(self, timeout: float = 120.0) -> None:
@@ -126,6 +148,9 @@ class PipelineDriver:
             self._watchdog.cancel()
         if self._tasks:  # let the last close frames go out
             await asyncio.wait(list(self._tasks), timeout=2)
+        if self._first is not None:
+            await self._first.close()
+        self.stopping.set()
         for channel in self._channels:
             await channel.close()
         if self.proposer is not None:
@@ -271,14 +296,15 @@ class PipelineDriver:
         return out
 
     async def _submit(self, message, frame: Frame | None) -> None:
-        try:
-            await self._first.Submit(message, timeout=10)
-        except grpc.aio.AioRpcError as exc:
-            if frame is not None:
-                self._fail(self.scheduler.on_frame_failed(frame.id), f"stage 0: {exc.details()}")
-            return
         if frame is not None:
             self._sent_at[frame.id] = time.monotonic()
+        self._first.send(message)
+
+    def _refused(self, frame_id: int, reason: str) -> None:
+        """Stage 0 refused a frame, or the stream to it broke before its receipt came."""
+        if frame_id == CLOSE_ONLY_FRAME or self._sent_at.pop(frame_id, None) is None:
+            return
+        self._fail(self.scheduler.on_frame_failed(frame_id), f"stage 0: {reason}")
 
     async def _watch(self) -> None:
         """Frames that never come back fail their requests, naming the first stage that is down."""

@@ -2,8 +2,9 @@
 
 Frames are checked when they arrive (a malformed one is refused with INVALID_ARGUMENT and changes
 nothing), queued, and run strictly in order by one worker, which hands each result on while the
-next frame computes: the next stage's Submit, or on the last stage the sampled tokens to the
-collector at --reply-to.
+next frame computes: over one stream to the next stage's Push, or on the last stage the sampled
+tokens to the collector's DeliverAll at --reply-to. Submit takes one frame at a time (and refuses a
+bad one with INVALID_ARGUMENT); Push answers each frame with a receipt.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from cascadia.engine.engine import StageEngine
 from cascadia.engine.mtp import MtpDrafter
 from cascadia.engine.sampling import SamplingParams, apply_penalties, choose, log_softmax
 from cascadia.engine.speculation import accept_draft
+from cascadia.frame_stream import FrameStream
 from cascadia.protos import load
 from cascadia.shard.capture import CaptureError, CaptureRecorder, CaptureSettings, RecordedBlock, StageInfo
 from cascadia.wire import sampling_params
@@ -135,27 +137,41 @@ class ShardServicer(rpc.ShardServicer):
         self.queue: asyncio.Queue = asyncio.Queue()
         self.expected: dict[str, int] = {}
         self.samplers: dict[str, _Sampler] = {}
-        self.next_stub = None
-        self.collector_stub = None
+        self.sender: FrameStream | None = None  # to the next stage, or from the last one to the collector
 
     async def Submit(self, frame, context):
-        if not frame.error:
-            try:
-                self.expected = check_frame(
-                    frame,
-                    self.expected,
-                    self.engine.is_first,
-                    self.engine.shape.hidden_size,
-                    self.engine.shape.vocab_size,
-                    self._mtp_depths,
-                    frozenset(self.mtp_streams),
-                )
-            except FrameRejected as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            self.mtp_streams.update(o.stream for o in frame.opens if o.mtp)
-            self.mtp_streams.difference_update(frame.closes)
+        error = self._admit(frame)
+        if error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
         await self.queue.put(frame)
         return pb.Ack()
+
+    async def Push(self, frames, context):
+        async for frame in frames:
+            error = self._admit(frame)
+            if not error:
+                await self.queue.put(frame)
+            yield pb.Receipt(frame_id=frame.frame_id, error=error)
+
+    def _admit(self, frame) -> str:
+        """Check a frame against the positions queued so far; on success take its opens and closes."""
+        if frame.error:
+            return ""
+        try:
+            self.expected = check_frame(
+                frame,
+                self.expected,
+                self.engine.is_first,
+                self.engine.shape.hidden_size,
+                self.engine.shape.vocab_size,
+                self._mtp_depths,
+                frozenset(self.mtp_streams),
+            )
+        except FrameRejected as exc:
+            return str(exc)
+        self.mtp_streams.update(o.stream for o in frame.opens if o.mtp)
+        self.mtp_streams.difference_update(frame.closes)
+        return ""
 
     async def Capture(self, request, context):
         with self._capture_lock:
@@ -221,7 +237,7 @@ class ShardServicer(rpc.ShardServicer):
                     log.exception("frame %s failed", frame.frame_id)
                     self._forget(frame)
                     out = pb.Frame(frame_id=frame.frame_id, error=f"stage {self.stage}: {exc}", failed_stage=self.stage)
-            await self._pass_on(out)
+            self._pass_on(out)
 
     def _forget(self, frame) -> None:
         for name in [*(o.stream for o in frame.opens), *(b.stream for b in frame.rows)]:
@@ -370,16 +386,15 @@ class ShardServicer(rpc.ShardServicer):
             sampled.top.extend(pb.TopLogprob(token=int(t), logprob=float(logprobs[t])) for t in best)
         return sampled
 
-    async def _pass_on(self, out) -> None:
-        try:
-            if self.engine.is_last:
-                if isinstance(out, pb.Frame):  # an earlier stage's error
-                    out = pb.FrameResult(frame_id=out.frame_id, error=out.error, failed_stage=out.failed_stage)
-                await self.collector_stub.Deliver(out, timeout=30)
-            else:
-                await self.next_stub.Submit(out, timeout=30)
-        except grpc.aio.AioRpcError as exc:
-            log.error("frame %s could not be passed on: %s", out.frame_id, exc.details())
+    def _pass_on(self, out) -> None:
+        if self.engine.is_last and isinstance(out, pb.Frame):  # an earlier stage's error
+            out = pb.FrameResult(frame_id=out.frame_id, error=out.error, failed_stage=out.failed_stage)
+        self.sender.send(out)
+
+
+def _log_lost(frame_id: int, reason: str) -> None:
+    # the router's watchdog fails the frame's requests when its result never comes
+    log.error("frame %s could not be passed on: %s", frame_id, reason)
 
 
 async def serve(
@@ -405,9 +420,9 @@ async def serve(
     target = next_addr or reply_to
     channel = tls.channel(target, CHANNEL_OPTIONS)
     if next_addr:
-        servicer.next_stub = rpc.ShardStub(channel)
+        servicer.sender = FrameStream(rpc.ShardStub(channel).Push, _log_lost, f"stage {stage + 1} at {next_addr}")
     else:
-        servicer.collector_stub = rpc.CollectorStub(channel)
+        servicer.sender = FrameStream(rpc.CollectorStub(channel).DeliverAll, _log_lost, f"the collector at {reply_to}")
     worker = asyncio.create_task(servicer.run())
     # ready means: weights loaded (the engine exists) and the next hop answers
     await channel.channel_ready()
