@@ -15,9 +15,13 @@ setup:
 setup-kube:
 	.ci/kube-build
 
-# redis-server for the shared-context index (the draft service's tests start their own; root, apt)
+# redis-server for the shared-context index (the draft service's tests start their own); iptables and
+# libnetfilter-queue for latency and loss on emulated links where the kernel has no netem (root, apt)
 setup-services:
 	command -v redis-server >/dev/null || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server)
+	(command -v iptables >/dev/null && test -e /usr/include/libnetfilter_queue/libnetfilter_queue.h) || \
+	  (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q iptables libnetfilter-queue-dev)
+	$(PIP) install -q -e ".[netem]"
 
 # everything from a fresh machine: what CI runs
 check: setup setup-kube setup-services lint test
