@@ -134,8 +134,10 @@ def namespace_commands(plan: NetworkPlan) -> list[list[str]]:
 
 
 def teardown_commands(plan: NetworkPlan) -> list[list[str]]:
-    # deleting a namespace deletes its veth end, and with it the peer on the bridge
-    return [["ip", "netns", "del", h.namespace] for h in plan.hosts] + [["ip", "link", "del", plan.bridge]]
+    # A namespace's devices go away asynchronously after `netns del`: deleting the veth first (which
+    # takes its peer with it) frees the names at once for a network made right after this one.
+    links = [["ip", "link", "del", h.outer] for h in plan.hosts]
+    return links + [["ip", "netns", "del", h.namespace] for h in plan.hosts] + [["ip", "link", "del", plan.bridge]]
 
 
 class EmulatedNetwork:
