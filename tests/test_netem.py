@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import time
 
+import grpc
 import numpy as np
 import pytest
 
@@ -29,6 +30,7 @@ from cascadia.router.netem import (
 )
 from cascadia.router.pipeline import PipelineDriver
 from cascadia.router.scheduler import Request, SchedulerConfig
+from cascadia.shard.service import pb, rpc
 
 
 def test_names_fit_linux_interface_limits_and_addresses_are_distinct():
@@ -98,17 +100,36 @@ def enter_or_skip(network: EmulatedNetwork) -> EmulatedNetwork:
         raise
 
 
-async def timed_generate(fleet: LocalFleet, prompts: list[tuple[int, ...]], max_tokens: int):
+async def timed_generate(fleet: LocalFleet, prompts: list[tuple[int, ...]], max_tokens: int, warm_up: bool = False):
     driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, SchedulerConfig(stages=2), frame_timeout=60)
     await driver.start()
     try:
         await driver.wait_ready(timeout=120)
+        if warm_up:  # the stages' first steps at each shape compile; time the steady state
+            await driver.generate(Request("warm-up", prompts[0], SamplingParams(max_tokens=max_tokens)))
         started = time.perf_counter()
         requests = [Request(f"r{i}", p, SamplingParams(max_tokens=max_tokens)) for i, p in enumerate(prompts)]
         results = await asyncio.gather(*(driver.generate(r) for r in requests))
+        await streams_closed(fleet.stage_addrs)
         return results, started
     finally:
         await driver.stop()
+
+
+async def streams_closed(stages: list[str], timeout: float = 30.0) -> None:
+    """Until every stage holds no stream and no state bytes (closes also cross the shaped links)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        held = []
+        for address in stages:
+            async with grpc.aio.insecure_channel(address) as channel:
+                stats = await rpc.ShardStub(channel).Stats(pb.StatsRequest(), timeout=5)
+            held.append((stats.open_streams, stats.state_bytes))
+        if not any(a or b for a, b in held):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"stages still hold (streams, bytes) {held}")
+        await asyncio.sleep(0.2)
 
 
 @pytest.mark.slow
@@ -125,7 +146,7 @@ def test_shards_behind_shaped_links_give_the_same_ids_and_pay_for_the_link(tiny,
         fleet = LocalFleet(tiny, 2, network=network)
         fleet.start(tmp_path)
         try:
-            [result], started = asyncio.run(timed_generate(fleet, [prompt], 4))
+            [result], started = asyncio.run(timed_generate(fleet, [prompt], 4, warm_up=True))
         finally:
             fleet.stop()
         assert result.tokens == expected
@@ -156,7 +177,7 @@ def dropped_packets(network: EmulatedNetwork, host: int) -> int:
 def test_one_hop_with_200ms_latency_and_5_percent_loss_serves_every_request_with_the_same_ids(tiny, tmp_path):
     # The fault-matrix row: one hop (into the second shard) gets 200 ms and 5% loss, the other stays a
     # clean gigabit link. Every token crosses that hop once, so each costs at least the delay; the
-    # kernel really drops packets (TCP retransmits them) and no request fails.
+    # kernel really drops packets (TCP retransmits them), no request fails and no stage keeps state.
     rng = np.random.default_rng(1)
     prompts = [tuple(int(t) for t in rng.integers(3, 500, size=n)) for n in (200, 120, 40)]
     engine = StageEngine(load_stage(tiny, 0, load_shape(tiny).num_layers), EngineSettings())
