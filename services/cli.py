@@ -1046,7 +1046,8 @@ def bench_fleet(
     """Aggregate decode tok/s of local fleets against one process, and the per-hop cost on loopback.
 
     With --link-rate, every shard runs in its own network namespace behind a veth link shaped by
-    tc netem (needs root), so each hop crosses a link like the fleet's.
+    tc (needs root), so each hop crosses a link like the fleet's. Latency and loss use netem, or on
+    kernels without it iptables and a netfilter-queue delay line (the `netem` extra).
     """
     from cascadia.bench.engine import EngineBenchConfig, ensure_model
     from cascadia.bench.fleet import FleetBenchConfig, run_fleet_bench
