@@ -96,6 +96,8 @@ class PipelineDriver:
         self._watchdog: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self.stopping = asyncio.Event()
+        self.down_after_s = 2.0  # health checks failing this long mark a stage down
+        self._failing_since: dict[int, float] = {}
 
     async def start(self) -> None:
         self._server = grpc.aio.server(options=CHANNEL_OPTIONS)
@@ -306,6 +308,18 @@ class PipelineDriver:
             return
         self._fail(self.scheduler.on_frame_failed(frame_id), f"stage 0: {reason}")
 
+    async def _stage_down(self) -> int | None:
+        """The first stage whose health checks have failed for `down_after_s` without a break: one
+        slow answer over a lossy link is not a dead stage."""
+        states = await self.stage_health()
+        now = time.monotonic()
+        for i, ok in enumerate(states):
+            if ok:
+                self._failing_since.pop(i, None)
+            else:
+                self._failing_since.setdefault(i, now)
+        return next((i for i, t in sorted(self._failing_since.items()) if now - t >= self.down_after_s), None)
+
     async def _watch(self) -> None:
         """Frames that never come back fail their requests, naming the first stage that is down."""
         while True:
@@ -313,11 +327,10 @@ class PipelineDriver:
             now = time.monotonic()
             late = [fid for fid, t in self._sent_at.items() if now - t > self.frame_timeout]
             if not late:
-                unhealthy = None
-                if self._sent_at:
-                    states = await self.stage_health()
-                    unhealthy = next((i for i, ok in enumerate(states) if not ok), None)
+                unhealthy = await self._stage_down() if self._sent_at else None
                 if unhealthy is None:
+                    if not self._sent_at:  # nothing in flight, nothing checked: start afresh next time
+                        self._failing_since.clear()
                     continue
                 late = list(self._sent_at)
                 reason = f"stage {unhealthy} is not serving"
