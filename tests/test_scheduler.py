@@ -52,6 +52,45 @@ def test_decode_rows_go_first_and_a_long_prompt_is_cut_into_windows():
     assert frame.rows[1].opens and not frame.rows[1].wants_token
 
 
+def test_a_long_prompt_fills_the_pipeline_and_decodes_only_after_its_last_window_returns():
+    # Windows of one prompt follow each other down the chain (stages run frames in order), so on a
+    # 4-stage chain four windows are in flight at once instead of one per round trip of the chain.
+    s = Scheduler(SchedulerConfig(stages=4, rows_per_group=8, prefill_window=8))
+    s.set_chain_ready(True)
+    s.submit(request("long", 40, max_tokens=2))
+    frames = s.next_frames()
+    assert [(f.rows[0].start, len(f.rows[0].tokens)) for f in frames] == [(0, 8), (8, 8), (16, 8), (24, 8)]
+    assert [r.opens for f in frames for r in f.rows] == [True, False, False, False]
+    assert not any(r.wants_token for f in frames for r in f.rows)
+    s.on_frame_done(frames[0].id, {})
+    (last,) = s.next_frames()
+    assert (last.rows[0].start, len(last.rows[0].tokens), last.rows[0].wants_token) == (32, 8, True)
+    for f in frames[1:]:
+        s.on_frame_done(f.id, {})
+    assert s.next_frames() == []  # no decode row before the prompt's token is back
+    s.on_frame_done(last.id, {"long": 5})
+    (decode,) = s.next_frames()
+    assert decode.rows[0].tokens == (5,) and decode.rows[0].start == 40
+    # a short prompt arriving behind a long one is not held back by the long one's windows
+    s3 = Scheduler(SchedulerConfig(stages=4, rows_per_group=8, prefill_window=8))
+    s3.set_chain_ready(True)
+    s3.submit(request("long", 40))
+    s3.submit(request("short", 4))
+    frames = s3.next_frames()
+    assert [[(r.stream, r.start, len(r.tokens)) for r in f.rows] for f in frames[:2]] == [
+        [("long", 0, 8)],
+        [("short", 0, 4), ("long", 8, 4)],
+    ]
+    # a lost window fails the stream once; its other frames in flight are then ignored
+    s2 = Scheduler(SchedulerConfig(stages=3, rows_per_group=8, prefill_window=8))
+    s2.set_chain_ready(True)
+    s2.submit(request("x", 24))
+    first, second, third = s2.next_frames()
+    assert s2.on_frame_failed(second.id) == ["x"]
+    assert s2.on_frame_failed(third.id) == [] and s2.on_frame_done(first.id, {}) == []
+    assert s2.active == 0
+
+
 def test_stop_ids_max_tokens_and_cancellation_free_streams():
     s = Scheduler(SchedulerConfig(stages=1))
     s.set_chain_ready(True)

@@ -97,7 +97,7 @@ class _Stream:
     request: Request
     position: int = 0  # positions already sent
     generated: list[int] = field(default_factory=list)
-    busy: bool = False
+    frames: int = 0  # frames in flight that carry rows of this stream
     opened: bool = False
     draft: tuple[int, ...] = ()  # proposed continuation for the next decode row
     draft_source: str = ""
@@ -109,6 +109,10 @@ class _Stream:
     @property
     def prefilling(self) -> bool:
         return self.position < len(self.request.prompt)
+
+    @property
+    def busy(self) -> bool:
+        return self.frames > 0
 
 
 @dataclass(frozen=True)
@@ -228,7 +232,7 @@ class Scheduler:
             stream = self._active.get(row.stream)
             if stream is None:  # cancelled while in flight
                 continue
-            stream.busy = False
+            stream.frames -= 1
             if not row.wants_token:
                 continue
             if row.stream not in tokens:
@@ -321,10 +325,10 @@ class Scheduler:
         budget = self.config.rows_per_group
         rows: list[Row] = []
         rewinds: list[tuple[RequestId, int]] = []
-        ready = [s for s in self._active.values() if not s.busy]
         decoding = sum(1 for s in self._active.values() if not s.prefilling)
         decode_cap = decode_rows_per_frame(decoding, self.config.stages, self.config.rows_per_group)
-        for stream in [s for s in ready if not s.prefilling][:decode_cap]:  # decode rows first
+        ready = [s for s in self._active.values() if not s.prefilling and not s.busy]
+        for stream in ready[:decode_cap]:  # decode rows first
             if budget == 0:
                 break
             draft = stream.draft[: budget - 1]
@@ -337,7 +341,11 @@ class Scheduler:
                 rewinds.append((stream.request.id, stream.rewind_to))
                 stream.rewind_to = None
             budget -= 1 + len(draft)
-        for stream in [s for s in ready if s.prefilling]:
+        # A prompt's windows follow each other down the chain without waiting for the one before
+        # to come back (stages run frames in order), so a long prompt fills the pipeline; prompts
+        # with fewer windows in flight go first, so a long one never holds a short one back.
+        prefilling = sorted((s for s in self._active.values() if s.prefilling), key=lambda s: s.frames)
+        for stream in prefilling:
             if budget == 0:
                 break
             prompt = stream.request.prompt
@@ -361,7 +369,8 @@ class Scheduler:
             return None
         for row in rows:
             stream = self._active[row.stream]
-            stream.busy, stream.opened = True, True
+            stream.frames += 1
+            stream.opened = True
             stream.position += len(row.tokens)
         frame = Frame(self._next_frame, tuple(rows), tuple(rewinds))
         self._next_frame += 1
