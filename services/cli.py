@@ -1038,6 +1038,8 @@ def bench_fleet(
     shards: Annotated[str, typer.Option(help="Fleet sizes, comma separated.")] = "1,4",
     streams: Annotated[str, typer.Option(help="Stream counts, comma separated.")] = "1,2,4,8,16,32,64,88",
     new_tokens: Annotated[int, typer.Option(min=2)] = 32,
+    prompt_tokens: Annotated[int, typer.Option(min=1, help="Prompt length of every stream.")] = 16,
+    rows_per_group: Annotated[int, typer.Option(min=1, help="Rows per frame (and per prefill window).")] = 8,
     precision: Annotated[str, typer.Option()] = "f32",
     link_rate: Annotated[str | None, typer.Option(help="Shape each shard's link: tc rate, e.g. 1gbit.")] = None,
     link_delay_ms: Annotated[float, typer.Option(min=0.0, help="Added latency per shaped link.")] = 0.0,
@@ -1060,6 +1062,8 @@ def bench_fleet(
         shards=tuple(int(x) for x in shards.split(",") if x),
         streams=tuple(int(x) for x in streams.split(",") if x),
         new_tokens=new_tokens,
+        prompt_tokens=prompt_tokens,
+        rows_per_group=rows_per_group,
         precision=precision,
         link=LinkShape(link_rate, link_delay_ms, link_loss) if link_rate else None,
     )

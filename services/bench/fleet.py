@@ -63,7 +63,8 @@ async def _fleet_round(driver: PipelineDriver, streams: int, config: FleetBenchC
 
 
 async def _run_fleet(fleet: LocalFleet, config: FleetBenchConfig, console: Console) -> dict[str, Any]:
-    sched = SchedulerConfig(stages=fleet.shards, rows_per_group=config.rows_per_group, prefill_window=8)
+    group = config.rows_per_group  # a prefill window fills a group
+    sched = SchedulerConfig(stages=fleet.shards, rows_per_group=group, prefill_window=group)
     driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, sched, frame_timeout=600)
     await driver.start()
     try:
