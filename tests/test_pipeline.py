@@ -125,15 +125,28 @@ def test_malformed_frames_are_refused_and_the_shard_keeps_serving(fleet_of, solo
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     await rpc.ShardStub(channel).Submit(frame, timeout=5)
                 errors[name] = info.value
+        receipts = {}  # the same frames over the stream stages use: refused by receipt, the stream lives on
+        for name, (stage, frame) in bad_frames.items():
+            async with grpc.aio.insecure_channel(fleet.stage_addrs[stage]) as channel:
+                call = rpc.ShardStub(channel).Push()
+                await call.write(frame)
+                await call.write(frame)
+                receipts[name] = [await call.read(), await call.read()]
+                await call.done_writing()
         results = [await driver.generate(r) for r in requests]
         await driver.stop()
-        return errors, results
+        return errors, receipts, results
 
-    errors, results = asyncio.run(go())
+    errors, receipts, results = asyncio.run(go())
     for name, error in errors.items():
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, name
     assert "position gap" in errors["position gap"].details()
     assert "expected (1, 64) FP32" in errors["hidden rows"].details()
+    frame_ids = {"unknown stream": 1, "position gap": 2, "token ids": 3, "hidden rows": 4}
+    for name, frame_id in frame_ids.items():
+        assert [r.frame_id for r in receipts[name]] == [frame_id, frame_id], name
+    assert all("position gap" in r.error for r in receipts["position gap"])
+    assert all(r.error == errors[name].details() for name in receipts for r in receipts[name])
     assert [r.tokens for r in results] == [solo(r) for r in requests]
 
 
