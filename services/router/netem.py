@@ -15,6 +15,7 @@ releases after the delay. Each hop still crosses one shaped link (the one into i
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -79,6 +80,7 @@ def plan_network(tag: str, hosts: int, subnet: int = 77) -> NetworkPlan:
 
 
 DELAY_QUEUE = 0  # netfilter queue numbers are per namespace: every host can use the same one
+DELAY_LINE_START_S = 30.0  # a delay line that has not bound its queue by then is not coming
 
 
 def ingress_impairment_commands(shape: LinkShape) -> list[list[str]]:
@@ -180,7 +182,10 @@ class EmulatedNetwork:
         cmd += ["--queue", str(DELAY_QUEUE), "--delay-ms", str(delay_ms)]
         process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert process.stdout is not None
-        if process.stdout.readline().strip() != "ready":
+        answered, _, _ = select.select([process.stdout], [], [], DELAY_LINE_START_S)
+        if not answered or process.stdout.readline().strip() != "ready":
+            if not answered:
+                process.kill()
             error = process.communicate(timeout=10)[1].strip().splitlines()
             raise RuntimeError(
                 f"emulated network: the delay line for host {host} did not start "
