@@ -170,17 +170,7 @@ class MtpDrafter:
             ]
             if not batch:
                 break
-            prev, ahead = [], []
-            for seg in batch:
-                record, n, s = self._streams[seg.stream], self._streams[seg.stream].rows, seg.stream
-                for t in range(seg.start, seg.start + seg.length):
-                    if k == 0:
-                        prev.append(record.trunk[t])
-                    else:
-                        prev.append(fresh[s][t] if t in fresh.get(s, {}) else record.outputs[k - 1][t])
-                    j = t + k + 1
-                    ahead.append(record.tokens[j] if j <= n else drafts[s][j - n - 1])
-            raw = head.run_depth(k, batch, np.stack(prev), np.asarray(ahead))
+            raw = head.run_depth(k, batch, *self._depth_inputs(k, batch, fresh, drafts))
             ends = np.cumsum([seg.length for seg in batch])
             choices = np.argmax(head.logits(raw[ends - 1]), axis=-1)  # each stream's last row drafts
             fresh = {}
@@ -196,6 +186,28 @@ class MtpDrafter:
                 drafts[seg.stream].append(int(choice))
                 self._prune(seg.stream)
         return drafts
+
+    def _depth_inputs(
+        self,
+        k: int,
+        batch: Sequence[Segment],
+        fresh: dict[Hashable, dict[int, np.ndarray]],
+        drafts: dict[Hashable, list[int]],
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Depth k's inputs for the batch's rows: the previous depth's states (this round's `fresh` ones
+        first; the trunk's for depth 0) and the ids k + 1 ahead (drafted ones past the sampled token)."""
+        prev, ahead = [], []
+        for seg in batch:
+            record, n = self._streams[seg.stream], self._streams[seg.stream].rows
+            fresh_rows = fresh.get(seg.stream, {})
+            for t in range(seg.start, seg.start + seg.length):
+                if k == 0:
+                    prev.append(record.trunk[t])
+                else:
+                    prev.append(fresh_rows[t] if t in fresh_rows else record.outputs[k - 1][t])
+                j = t + k + 1
+                ahead.append(record.tokens[j] if j <= n else drafts[seg.stream][j - n - 1])
+        return np.stack(prev), np.asarray(ahead)
 
     def _catch_up(self, streams: Sequence[Hashable]) -> None:
         """A depth more than CATCH_UP rows behind what it can commit catches up all the way, a window at a
@@ -215,13 +227,7 @@ class MtpDrafter:
                 for s, end in targets.items()
                 if head.position(k, s) < end
             ]:
-                prev, ahead = [], []
-                for seg in batch:
-                    record = self._streams[seg.stream]
-                    for t in range(seg.start, seg.start + seg.length):
-                        prev.append(record.trunk[t] if k == 0 else record.outputs[k - 1][t])
-                        ahead.append(record.tokens[t + k + 1])
-                raw = head.run_depth(k, batch, np.stack(prev), np.asarray(ahead))
+                raw = head.run_depth(k, batch, *self._depth_inputs(k, batch, {}, {}))
                 row = 0
                 for seg in batch:
                     outputs = self._streams[seg.stream].outputs[k]

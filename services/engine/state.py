@@ -50,16 +50,20 @@ class GrowingRows:
     def capacity(self) -> int:
         return self.data.shape[0] - 1
 
+    def _capacity_for(self, rows: int) -> int:
+        """Positions held after growing (by doublings, up to the limit) to hold `rows`."""
+        size = self.capacity
+        while size < rows:
+            size *= 2
+        return min(size, self.limit)
+
     def reserve(self, rows: int) -> int:
         """Grow to hold `rows` positions; returns the bytes added."""
         if rows <= self.capacity:
             return 0
         if rows > self.limit:
             raise BudgetExceeded(f"{rows} positions exceed the context budget of {self.limit}")
-        size = self.capacity
-        while size < rows:
-            size *= 2
-        grown = np.zeros((min(size, self.limit) + 1, *self.data.shape[1:]), dtype=self.data.dtype)
+        grown = np.zeros((self._capacity_for(rows) + 1, *self.data.shape[1:]), dtype=self.data.dtype)
         grown[: self.data.shape[0]] = self.data
         added = grown.nbytes - self.data.nbytes
         self.data = grown
@@ -68,10 +72,7 @@ class GrowingRows:
     def growth_bytes(self, rows: int) -> int:
         if rows <= self.capacity:
             return 0
-        size = self.capacity
-        while size < rows:
-            size *= 2
-        return (min(size, self.limit) - self.capacity) * int(np.prod(self.data.shape[1:])) * self.data.itemsize
+        return (self._capacity_for(rows) - self.capacity) * int(np.prod(self.data.shape[1:])) * self.data.itemsize
 
     def write(self, positions: np.ndarray, rows: np.ndarray) -> None:
         self.data[np.asarray(positions) + 1] = rows

@@ -151,7 +151,6 @@ class EmulatedNetwork:
         self, hosts: int, shape: LinkShape, tag: str | None = None, links: Mapping[int, LinkShape] | None = None
     ) -> None:
         self.plan = plan_network(tag or format(os.getpid() % 0xFFFFFF, "x"), hosts)
-        self.shape = shape
         if links and not all(0 <= i < hosts for i in links):
             raise ValueError(f"links for hosts {sorted(links)}: the network has hosts 0 to {hosts - 1}")
         self.shapes = [dict(links or {}).get(i, shape) for i in range(hosts)]

@@ -267,9 +267,9 @@ class PipelineDriver:
                 self.scheduler.set_draft(w.stream, chosen, chosen_source)
         frames = self.scheduler.next_frames()
         if not frames and self._closes:
-            await self._submit(pb.Frame(frame_id=CLOSE_ONLY_FRAME, closes=self._take_closes()), None)
+            self._submit(pb.Frame(frame_id=CLOSE_ONLY_FRAME, closes=self._take_closes()), None)
         for frame in frames:
-            await self._submit(self._to_proto(frame), frame)
+            self._submit(self._to_proto(frame), frame)
 
     def _take_closes(self) -> list[str]:
         closes, self._closes = self._closes, []
@@ -297,7 +297,7 @@ class PipelineDriver:
         out.closes.extend(self._take_closes())
         return out
 
-    async def _submit(self, message, frame: Frame | None) -> None:
+    def _submit(self, message, frame: Frame | None) -> None:
         if frame is not None:
             self._sent_at[frame.id] = time.monotonic()
         self._first.send(message)
