@@ -32,7 +32,7 @@ def test_sliding_keys_stop_at_the_window_and_global_keys_do_not():
     # slot 0 is the far region's padding; with no band given every cached key is in the band
     assert sliding.past_positions.tolist() == [[-1, 7, 8, 9]]
     assert full.past_positions.tolist() == [[-1, *range(10)]]
-    assert np.isinf(sliding.far_mask).all() and np.isinf(full.far_mask).all()
+    assert sliding.far_mask is None and full.far_mask is None
     visible = np.isfinite(sliding.key_mask)
     # row at position 10 sees 7, 8, 9 and itself; row 11 sees 8, 9, 10, 11
     assert visible.tolist() == [[True, True, True, True, False], [False, True, True, True, True]]
@@ -49,16 +49,16 @@ def test_padding_slots_are_masked():
 
 def test_global_keys_beyond_the_bias_band_go_to_the_far_region():
     """With a band of 2, stream a (10 cached) keeps its 2 nearest keys row-dependent and 8 in the far
-    region; stream b (3 cached) 2 and 1; c (1 cached) has no far key. Both regions are right-aligned,
-    so the band's slots mean the same distance for every stream, and far keys are at least a band away."""
+    region; stream b (3 cached) 2 and 1; c (1 cached) has no far key. The band is right-aligned, so
+    its slots mean the same distance for every stream; far keys are positions 0 .. far - 1, read as
+    cache blocks under a mask, and at least a band away from every row."""
     segments = [Segment("a", 10, 2), Segment("b", 3, 1), Segment("c", 1, 1)]
-    keys = plan_step(segments, kernel=4, windows=[None], global_band=2).keys[None]
-    assert keys.past_positions.tolist() == [
-        [-1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9],
-        [-1, -1, -1, -1, -1, -1, -1, -1, 0, 1, 2],
-        [-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0],
-    ]
-    assert np.isfinite(keys.far_mask).sum(axis=1).tolist() == [8, 1, 0]
+    keys = plan_step(segments, kernel=4, windows=[None], global_band=2, far_block=4).keys[None]
+    assert keys.past_positions.tolist() == [[-1, 8, 9], [-1, 1, 2], [-1, -1, 0]]
+    assert keys.far_keys.tolist() == [8, 1, 0]
+    assert keys.far_blocks == 2
+    assert keys.far_mask is not None
+    assert np.isfinite(keys.far_mask).tolist() == [[True] * 8, [True] + [False] * 7, [False] * 8]
     # the band: 2 cached slots and this step's 2 (rows of a, then b, then c)
     assert keys.key_distance.tolist() == [[2, 1, 0, -1], [3, 2, 1, 0], [2, 1, 0, -1], [-1, 1, 0, -1]]
     assert np.isfinite(keys.key_mask).tolist() == [
@@ -69,9 +69,16 @@ def test_global_keys_beyond_the_bias_band_go_to_the_far_region():
     ]
     row_positions = np.array([10, 11, 3, 1])
     stream_of_row = np.array([0, 0, 1, 2])
-    far = keys.past_positions[stream_of_row, 1:9]
-    nearest_far = np.where(far >= 0, row_positions[:, None] - far, 99).min(axis=1)
+    far_positions = np.arange(8)
+    visible = np.isfinite(keys.far_mask)[stream_of_row]
+    nearest_far = np.where(visible, row_positions[:, None] - far_positions[None, :], 99).min(axis=1)
     assert (nearest_far >= 3).all()  # the bias extent is band + 1
+
+
+def test_without_a_far_region_every_cached_key_is_in_the_band():
+    keys = plan_step([Segment("a", 10, 1)], kernel=4, windows=[None]).keys[None]
+    assert keys.past_positions.tolist() == [[-1, *range(10)]]
+    assert keys.far_blocks == 0 and keys.far_mask is None
 
 
 @pytest.mark.parametrize(

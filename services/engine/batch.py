@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cascadia.engine.state import KV_BLOCK
+
 NEG_INF = np.float32(-np.inf)
 
 
@@ -26,17 +28,20 @@ class Segment:
 class KeyPlan:
     """Keys for one attention kind (a sliding window, or unbounded for global layers).
 
-    Each stream's cached keys are read into two regions. The far region holds keys every row of the
-    step sees with no relative bias (distance >= the bias extent): only padding is masked there, per
-    stream, whatever the history's length. The band holds the nearest cached keys and this step's
-    own, where visibility and bias depend on the row: those tables are [T, band], not [T, history].
+    Each stream's cached keys are read into two regions. The far region (global layers with a
+    relative bias) holds keys every row of the step sees with no bias (distance >= the bias extent):
+    positions 0 .. far - 1, read straight from the cache's blocks with only a per-stream mask,
+    whatever the history's length. The band holds the nearest cached keys and this step's own, where
+    visibility and bias depend on the row: those tables are [T, band], not [T, history].
     """
 
-    past_positions: np.ndarray  # [S, 1 + Lf + Ln] cache positions: a padding slot, far region, near keys; -1 = pad
-    far_mask: np.ndarray  # [S, 1 + Lf + Ln] 0 on far keys; -inf on padding and near keys (the band has those)
+    past_positions: np.ndarray  # [S, 1 + Ln] the band's cached positions: a padding slot, then the near keys; -1 = pad
     step_keys: np.ndarray  # [T, W] rows of this step a row may attend to (its own stream's)
     key_mask: np.ndarray  # [T, Ln + W] 0 or -inf, over the band
     key_distance: np.ndarray  # [T, Ln + W] query position - key position, over the band
+    far_keys: np.ndarray  # [S] far keys of each stream (all zero without a far region)
+    far_blocks: int = 0  # cache blocks the far region spans (0: no far region)
+    far_mask: np.ndarray | None = None  # [S, far_blocks * block] 0 on far keys, -inf elsewhere
 
 
 @dataclass(frozen=True)
@@ -58,13 +63,17 @@ class StepPlan:
 
 
 def plan_step(
-    segments: Sequence[Segment], kernel: int, windows: Sequence[int | None], global_band: int | None = None
+    segments: Sequence[Segment],
+    kernel: int,
+    windows: Sequence[int | None],
+    global_band: int | None = None,
+    far_block: int = KV_BLOCK,
 ) -> StepPlan:
     """Index tables for a step over `segments` with conv kernel `kernel` and the given attention windows.
 
     `global_band`: cached keys nearer than this may carry a row-dependent bias on global layers (the
-    relative extent - 1; 0 with no bias); farther ones go to the far region. None keeps every cached
-    key in the band.
+    relative extent - 1; 0 with no bias); farther ones go to the far region, read in cache blocks of
+    `far_block` positions. None keeps every cached key in the band.
     """
     if not segments:
         raise ValueError("a step needs at least one segment")
@@ -94,7 +103,14 @@ def plan_step(
 
     keys = {
         window: _key_plan(
-            starts, lengths, offsets, row_stream, row_position, window, global_band if window is None else None
+            starts,
+            lengths,
+            offsets,
+            row_stream,
+            row_position,
+            window,
+            global_band if window is None else None,
+            far_block,
         )
         for window in set(windows)
     }
@@ -122,26 +138,24 @@ def _key_plan(
     row_position: np.ndarray,
     window: int | None,
     band: int | None,
+    block: int = KV_BLOCK,
 ) -> KeyPlan:
     first = np.zeros_like(starts) if window is None else np.maximum(0, starts - (window - 1))
     counts = starts - first
     near_slots = int(counts.max()) if band is None else min(band, int(counts.max()))
     near = np.minimum(counts, near_slots)
     far = counts - near
-    far_slots = int(far.max())
-    # slot 0 is always padding (keeps the far region non-empty); both regions are right-aligned
-    slot = np.arange(1 + far_slots + near_slots)
-    far_start = 1 + far_slots - far  # first far slot of each stream
-    near_start = 1 + far_slots + near_slots - near
-    in_far = (slot[None, :] >= far_start[:, None]) & (slot[None, :] < 1 + far_slots)
+    # slot 0 is always padding; the near keys are right-aligned, so a band slot means the same
+    # distance for every stream
+    slot = np.arange(1 + near_slots)
+    near_start = 1 + near_slots - near
     in_near = slot[None, :] >= near_start[:, None]
-    past_positions = np.full((len(starts), len(slot)), -1, dtype=np.int64)
-    past_positions = np.where(in_far, first[:, None] + slot[None, :] - far_start[:, None], past_positions)
-    past_positions = np.where(
-        in_near, first[:, None] + far[:, None] + slot[None, :] - near_start[:, None], past_positions
-    )
-    # the far block reads every cached slot (no copy of a slice of the history) and masks the band's
-    far_mask = np.where(in_far & (past_positions >= 0), np.float32(0.0), NEG_INF).astype(np.float32)
+    past_positions = np.where(in_near, first[:, None] + far[:, None] + slot[None, :] - near_start[:, None], -1)
+    far_blocks, far_mask = 0, None
+    if band is not None:  # global layers: far keys are positions 0 .. far - 1, read in cache blocks
+        far_blocks = max(1, -(-int(far.max()) // block))
+        position = np.arange(far_blocks * block)
+        far_mask = np.where(position[None, :] < far[:, None], np.float32(0.0), NEG_INF).astype(np.float32)
 
     width = int(lengths.max())
     w = np.arange(width)
@@ -149,16 +163,18 @@ def _key_plan(
     step_keys = np.where(w[None, :] < seg_len[:, None], offsets[row_stream][:, None] + w[None, :], 0)
     step_pos = np.where(w[None, :] < seg_len[:, None], starts[row_stream][:, None] + w[None, :], -1)
 
-    key_pos = np.concatenate([past_positions[row_stream, 1 + far_slots :], step_pos], axis=1)
+    key_pos = np.concatenate([past_positions[row_stream, 1:], step_pos], axis=1)
     distance = row_position[:, None] - key_pos
     visible = (key_pos >= 0) & (distance >= 0)
     if window is not None:
         visible &= distance < window
     mask = np.where(visible, np.float32(0.0), NEG_INF).astype(np.float32)
     return KeyPlan(
-        past_positions,
-        far_mask,
+        past_positions.astype(np.int64),
         step_keys.astype(np.int32),
         mask,
         np.where(key_pos >= 0, distance, -1).astype(np.int32),
+        far.astype(np.int64),
+        far_blocks,
+        far_mask,
     )

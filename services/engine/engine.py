@@ -7,6 +7,7 @@ compiled models through the index tables of `batch.plan_step`.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -15,9 +16,9 @@ import numpy as np
 import openvino as ov
 
 from cascadia.engine import graphs, llama_graphs
-from cascadia.engine.batch import Segment, StepPlan, plan_step
+from cascadia.engine.batch import KeyPlan, Segment, StepPlan, plan_step
 from cascadia.engine.settings import EngineSettings
-from cascadia.engine.state import BudgetExceeded, GrowingRows, LayerState, RingRows, StreamState
+from cascadia.engine.state import KV_BLOCK, BudgetExceeded, GrowingRows, LayerState, RingRows, Rows, StreamState
 from cascadia.model.checkpoint import LayerWeights, StageWeights
 from cascadia.model.config import AttentionShape
 from cascadia.model.formats import as_float
@@ -134,6 +135,30 @@ class _Layer:
 def _stacked(rows: list[np.ndarray]) -> np.ndarray:
     """Streams' cached rows as one [S, L, ...] array; a single stream's view is passed on without a copy."""
     return rows[0][None] if len(rows) == 1 else np.stack(rows)
+
+
+def _far_blocks(stores: Sequence[Rows], plan: KeyPlan) -> np.ndarray:
+    """The cache blocks holding each stream's far keys, as one [S, N, Hkv, B, D] array (a view for one stream)."""
+    blocks = [store.blocks(plan.far_blocks) for store in stores if isinstance(store, GrowingRows)]
+    if len(blocks) != len(stores):
+        raise TypeError("far keys are read from global layers' block caches")
+    if len(blocks) == 1 and blocks[0].shape[0] == plan.far_blocks:
+        return blocks[0][None]
+    if not plan.far_keys.any():
+        return _no_far_keys((len(blocks), plan.far_blocks, *blocks[0].shape[1:]), blocks[0].dtype.str)
+    out = np.zeros((len(blocks), plan.far_blocks, *blocks[0].shape[1:]), dtype=blocks[0].dtype)
+    for i, (stream_blocks, far) in enumerate(zip(blocks, plan.far_keys, strict=True)):
+        used = -(-int(far) // KV_BLOCK)
+        out[i, :used] = stream_blocks[:used]
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def _no_far_keys(shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """Zero blocks for steps where no stream has far keys yet (every slot is masked); shared, read-only."""
+    zeros = np.zeros(shape, dtype=dtype)
+    zeros.flags.writeable = False
+    return zeros
 
 
 def _infer(
@@ -364,7 +389,6 @@ class StageEngine:
             "cell_rows": plan.cell_rows,
             "row_cells": plan.row_cells,
             "key_mask": keys_plan.key_mask,
-            "far_mask": keys_plan.far_mask,
             "query_position": plan.row_position.astype(np.float32),
         }
         for li in range(len(self._layers)):
@@ -408,8 +432,11 @@ class StageEngine:
             "past_k": past_k,
             "past_v": past_v,
             "key_mask": keys_plan.key_mask,
-            "far_mask": keys_plan.far_mask,
         }
+        if keys_plan.far_mask is not None:
+            inputs["far_mask"] = keys_plan.far_mask
+            inputs["far_k"] = _far_blocks([st.layers[li].keys for st in states], keys_plan)
+            inputs["far_v"] = _far_blocks([st.layers[li].values for st in states], keys_plan)
         hist_m = None
         if layer.has_convs:
             inputs.update(

@@ -11,11 +11,14 @@ the host by `batch.plan_step` and fed in, so one compiled model serves any mix o
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import openvino as ov
 import openvino.opset16 as ops
 from openvino.utils.node_factory import NodeFactory
 
+from cascadia.engine.state import KV_BLOCK
 from cascadia.engine.weights import Weight, WeightFormat, weight_node
 from cascadia.model.checkpoint import LayerWeights
 from cascadia.model.config import ModelShape
@@ -54,6 +57,23 @@ def as_f32(x: Node) -> Node:
     return x if x.get_output_element_type(0) == ov.Type.f32 else ops.convert(x, "f32")
 
 
+@dataclass(frozen=True)
+class FarKeys:
+    """A global layer's far region: cache blocks [S, N, Hkv, B, D] of keys and values, and a mask [S, N * B]."""
+
+    keys: Node
+    values: Node
+    mask: Node
+    block: int
+
+
+def far_inputs(kv_heads: int, head_dim: int, block: int, kv_type: str = "f32") -> tuple[list[ov.Node], FarKeys]:
+    far_k = _param("far_k", [-1, -1, kv_heads, block, head_dim], kv_type)
+    far_v = _param("far_v", [-1, -1, kv_heads, block, head_dim], kv_type)
+    far_mask = _param("far_mask", [-1, -1])
+    return [far_k, far_v, far_mask], FarKeys(far_k, far_v, far_mask, block)
+
+
 def segment_attention(
     q: Node,
     keys_new: Node,
@@ -63,31 +83,28 @@ def segment_attention(
     cell_rows: Node,
     row_cells: Node,
     key_mask: Node,
-    far_mask: Node,
     kv_heads: int,
     head_dim: int,
     scale: float,
     bias: Node | None = None,
     tau: Node | None = None,
-    far_block: bool = True,
+    far: FarKeys | None = None,
 ) -> Node:
-    """Grouped-query attention computed per stream, not per row, in two key blocks merged by their maxima.
+    """Grouped-query attention computed per stream, not per row: a band of keys, and on global layers far blocks.
 
-    q [T, Hq, D], this step's keys and values [T, Hkv, D], each stream's cached ones [S, Lp, Hkv, D]
-    laid out as `batch.KeyPlan` says: the far block reads every cached slot and `far_mask` [S, Lp]
-    leaves it only the far keys (every row sees them, with no bias); the last Ln cached slots with
-    this step's keys form the band,
-    where `key_mask` and the relative `bias` ([T, Hq, Lb]) depend on the row; `tau` [T] is the log
-    scale of global layers' queries. Each block is exponentiated against the shared row maximum and
-    the two are summed (an online softmax over two tiles), so nothing of size [rows, history] other
-    than the scores themselves is ever built. With `far_block` false the plan keeps every cached key
-    in the band (sliding windows, models without a relative bias) and one block is computed: fewer
-    ops per call, which is what short decode steps pay for. The rows are laid out as a [S, W] grid of
-    cells, so every stream's keys are read once for all its rows. Returns [T, Hq * D].
+    q [T, Hq, D], this step's keys and values [T, Hkv, D]. The band is each stream's nearest cached
+    keys [S, 1 + Ln, Hkv, D] (slot 0 padding) and this step's own, where `key_mask` and the relative
+    `bias` ([T, Hq, Lb]) depend on the row; `tau` [T] is the log scale of global layers' queries.
+    `far`, on global layers, is the rest of the history as the cache stores it: blocks of B positions
+    with each head's rows consecutive, read in place (no copy or transpose of the history), masked
+    per stream and seen by every row with no bias. Each key block is exponentiated against the shared
+    row maximum and the blocks are summed (an online softmax over tiles, parallel over streams, heads
+    and blocks), so nothing of size [rows, history] other than the scores themselves is ever built.
+    The rows are laid out as a [S, W] grid of cells, so every stream's keys are read once for all its
+    rows. Returns [T, Hq * D].
     """
     groups = q.get_output_partial_shape(0)[1].get_length() // kv_heads
     streams = ops.gather(ops.shape_of(as_f32(past_k), "i64"), _i64(0), _i64(0))
-    end = _i64(2**62)
 
     def cells(x: Node) -> Node:
         """Rows [T, ...] to cells [S, W, ...]."""
@@ -95,18 +112,10 @@ def segment_attention(
         rest = ops.slice(ops.shape_of(gathered, "i64"), _i64(1), _i64(2**31), _i64(1), _i64(0))
         return ops.reshape(gathered, ops.concat([streams, _i64(-1), rest], 0), False)
 
-    def heads_first(x: Node) -> Node:
-        """[S, L, Hkv, D] -> [S, Hkv, 1, L, D]."""
-        return ops.unsqueeze(ops.transpose(x, _i64(0, 2, 1, 3)), _i64(2))
-
-    # the band: the last Ln cached slots (Ln = band width - this step's width) and this step's keys
-    width = ops.gather(ops.shape_of(cells(keys_new), "i64"), _i64(1), _i64(0))
-    near_slots = ops.subtract(ops.gather(ops.shape_of(key_mask, "i64"), _i64(1), _i64(0)), width)
-    band_start = ops.subtract(ops.gather(ops.shape_of(past_k, "i64"), _i64(1), _i64(0)), near_slots)
-
     def band_of(cached: Node, new: Node) -> Node:
-        near = ops.slice(as_f32(cached), band_start, end, _i64(1), _i64(1))
-        return heads_first(ops.concat([near, cells(new)], 1))
+        """[S, 1 + Ln, Hkv, D] cached and [T, Hkv, D] new -> [S, Hkv, 1, Ln + W, D] (the padding slot dropped)."""
+        near = ops.slice(as_f32(cached), _i64(1), _i64(2**62), _i64(1), _i64(1))
+        return ops.unsqueeze(ops.transpose(ops.concat([near, cells(new)], 1), _i64(0, 2, 1, 3)), _i64(2))
 
     queries = ops.reshape(q, _i64(0, kv_heads, groups, head_dim), True)  # [T, Hkv, G, D]
     row_scale = _f32(scale)
@@ -121,19 +130,26 @@ def segment_attention(
         bias = ops.reshape(bias, _i64(0, kv_heads, groups, -1), True)  # [T, Hkv, G, Lb]
         band = ops.add(band, ops.transpose(cells(bias), _i64(0, 2, 3, 1, 4)))
     band = ops.add(band, ops.unsqueeze(cells(key_mask), _i64(1, 2)))
-    if far_block:
-        # every cached slot; the mask leaves only the far keys (padding and the band's own are -inf)
-        keys_far, values_far = heads_first(as_f32(past_k)), heads_first(as_f32(past_v))
-        far = ops.matmul(queries, keys_far, False, True)  # [S, Hkv, G, W, Lp]
-        far = ops.add(far, ops.unsqueeze(far_mask, _i64(1, 2, 3)))
-        top = ops.maximum(ops.reduce_max(far, _i64(-1), True), ops.reduce_max(band, _i64(-1), True))
-        far = ops.exp(ops.subtract(far, top))
-        band = ops.exp(ops.subtract(band, top))
-        total = ops.add(ops.reduce_sum(far, _i64(-1), True), ops.reduce_sum(band, _i64(-1), True))
-        context = ops.add(ops.matmul(far, values_far, False, False), ops.matmul(band, values_band, False, False))
-        context = ops.divide(context, total)  # [S, Hkv, G, W, D]
-    else:
+    if far is None:
         context = ops.matmul(ops.softmax(band, -1), values_band, False, False)
+    else:
+        # scores per block [S, N, Hkv, G, W, B]; blocks and slots are the two reduced axes
+        block_queries = ops.unsqueeze(queries, _i64(1))  # [S, 1, Hkv, G, W, D]
+        keys_far = ops.unsqueeze(as_f32(far.keys), _i64(3))  # [S, N, Hkv, 1, B, D]
+        values_far = ops.unsqueeze(as_f32(far.values), _i64(3))
+        scores = ops.matmul(block_queries, keys_far, False, True)
+        scores = ops.add(scores, ops.reshape(far.mask, _i64(0, -1, 1, 1, 1, far.block), True))
+        # reduced over slots, then blocks: the CPU's kernels for one trailing axis are vectorised
+        far_top = ops.reduce_max(ops.reduce_max(scores, _i64(5), True), _i64(1), False)  # [S, Hkv, G, W, 1]
+        top = ops.maximum(far_top, ops.reduce_max(band, _i64(-1), True))
+        scores = ops.exp(ops.subtract(scores, ops.unsqueeze(top, _i64(1))))
+        band = ops.exp(ops.subtract(band, top))
+        total = ops.add(
+            ops.reduce_sum(ops.reduce_sum(scores, _i64(5), True), _i64(1), False), ops.reduce_sum(band, _i64(-1), True)
+        )
+        far_context = ops.reduce_sum(ops.matmul(scores, values_far, False, False), _i64(1), False)
+        context = ops.add(far_context, ops.matmul(band, values_band, False, False))
+        context = ops.divide(context, total)  # [S, Hkv, G, W, D]
     context = ops.transpose(context, _i64(0, 3, 1, 2, 4))  # [S, W, Hkv, G, D]
     context = ops.reshape(context, _i64(-1, kv_heads * groups * head_dim), False)
     return ops.gather(context, row_cells, _i64(0))
@@ -188,10 +204,13 @@ def attention_graph(
     past_k = _param("past_k", [-1, -1, a.num_kv_heads, d], kv_type)
     past_v = _param("past_v", [-1, -1, a.num_kv_heads, d], kv_type)
     key_mask = _param("key_mask", [-1, -1])
-    far_mask = _param("far_mask", [-1, -1])
     key_distance = _param("key_distance", [-1, -1], "i32")
     params = [hidden, hist_k, hist_v, hist_o, conv_index, cell_rows, row_cells, past_k, past_v]
-    params += [key_mask, far_mask, key_distance]
+    params += [key_mask, key_distance]
+    far = None
+    if a.window is None:
+        far_params, far = far_inputs(a.num_kv_heads, d, KV_BLOCK, kv_type)
+        params += far_params
 
     x = rms_norm(hidden, w.input_norm, eps)
     q = linear(x, w.q_proj, attention_fmt, f"l{i}.q")
@@ -236,8 +255,8 @@ def attention_graph(
 
     # each stream's rows see its cached keys, then its rows of this step (the mask keeps them causal)
     context = segment_attention(
-        q, keys_new, values_new, past_k, past_v, cell_rows, row_cells, key_mask, far_mask,
-        a.num_kv_heads, d, 1.0 / d, bias, tau, far_block=a.window is None,
+        q, keys_new, values_new, past_k, past_v, cell_rows, row_cells, key_mask,
+        a.num_kv_heads, d, 1.0 / d, bias, tau, far,
     )  # fmt: skip
     o_in = _named(linear(context, w.o_proj, attention_fmt, f"l{i}.o"), "o_conv_in")
     residual = _named(ops.add(hidden, short_conv(o_in, hist_o, conv_index, w.attn_conv)), "residual")

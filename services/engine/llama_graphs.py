@@ -45,7 +45,6 @@ class _Shared:
     cell_rows: Node
     row_cells: Node
     key_mask: Node
-    far_mask: Node
     cos: Node
     sin: Node
 
@@ -55,12 +54,11 @@ def _shared_inputs(shape: ModelShape) -> tuple[list[Node], _Shared]:
     cell_rows = _param("cell_rows", [-1], "i32")
     row_cells = _param("row_cells", [-1], "i32")
     key_mask = _param("key_mask", [-1, -1])
-    far_mask = _param("far_mask", [-1, -1])
     position = _param("query_position", [-1])
     angles = ops.multiply(ops.unsqueeze(position, _i64(1)), _f32(inverse_frequencies(d, shape.rope_theta)[None, :]))
     angles = ops.unsqueeze(ops.concat([angles, angles], -1), _i64(1))  # [T, 1, D]
-    shared = _Shared(cell_rows, row_cells, key_mask, far_mask, ops.cos(angles), ops.sin(angles))
-    return [cell_rows, row_cells, key_mask, far_mask, position], shared
+    shared = _Shared(cell_rows, row_cells, key_mask, ops.cos(angles), ops.sin(angles))
+    return [cell_rows, row_cells, key_mask, position], shared
 
 
 def _layer(
@@ -88,8 +86,8 @@ def _layer(
     keys_new = rotate(k, shared.cos, shared.sin, d)
 
     context = segment_attention(
-        q, keys_new, v, past_k, past_v, shared.cell_rows, shared.row_cells, shared.key_mask, shared.far_mask,
-        a.num_kv_heads, d, 1.0 / np.sqrt(d), far_block=False,
+        q, keys_new, v, past_k, past_v, shared.cell_rows, shared.row_cells, shared.key_mask,
+        a.num_kv_heads, d, 1.0 / np.sqrt(d),
     )  # fmt: skip
     residual = ops.add(hidden, linear(context, layer.o_proj, attention_fmt, f"l{i}.o"))
     mlp_input = rms_norm(residual, layer.post_attention_norm, eps)

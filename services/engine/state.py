@@ -1,8 +1,8 @@
 """Per-stream state of a layer range: KV rows and short-convolution histories.
 
 Sliding layers keep a ring of window - 1 + slack key/value rows; global layers keep every position
-up to the context budget (grown on demand); each layer keeps the last K - 1 + slack inputs of its
-four short convolutions. The slack is how far a stream can be rewound.
+up to the context budget (grown on demand, in blocks attention reads in place); each layer keeps the
+last K - 1 + slack inputs of its four short convolutions. The slack is how far a stream can be rewound.
 """
 
 from __future__ import annotations
@@ -34,28 +34,33 @@ class RingRows:
         return self.data.nbytes
 
 
-class GrowingRows:
-    """Every row from position 0, allocated in doublings up to `limit` rows.
+KV_BLOCK = 64  # positions per block of a global layer's cache
 
-    Index 0 of the storage is a padding row and position p lives at index p + 1, so the usual read of
-    a step plan -- padding slots, then consecutive positions -- is a view of the storage, not a copy
-    of the whole history (which is what long-history decode steps would otherwise pay each time).
+
+class GrowingRows:
+    """Every key (or value) row of a global layer from position 0, kept in blocks of `KV_BLOCK` positions.
+
+    The storage is [blocks, heads, KV_BLOCK, D]: within a block each head's rows are consecutive, so
+    attention reads the blocks as they lie (no transpose of the history per step), and any prefix of
+    blocks is a view of the storage, not a copy. Blocks are allocated in doublings up to `limit`
+    positions.
     """
 
-    def __init__(self, limit: int, row_shape: tuple[int, ...], initial: int = 64, dtype: str = "float32") -> None:
+    def __init__(self, limit: int, row_shape: tuple[int, int], initial: int = 64, dtype: str = "float32") -> None:
         self.limit = limit
-        self.data = np.zeros((min(initial, limit) + 1, *row_shape), dtype=dtype)
+        heads, width = row_shape
+        self.data = np.zeros((_blocks_for(min(initial, limit)), heads, KV_BLOCK, width), dtype=dtype)
 
     @property
     def capacity(self) -> int:
-        return self.data.shape[0] - 1
+        return min(self.data.shape[0] * KV_BLOCK, self.limit)
 
-    def _capacity_for(self, rows: int) -> int:
-        """Positions held after growing (by doublings, up to the limit) to hold `rows`."""
-        size = self.capacity
-        while size < rows:
-            size *= 2
-        return min(size, self.limit)
+    def _blocks_after_growth(self, rows: int) -> int:
+        """Blocks held after growing (by doublings, up to the limit) to hold `rows` positions."""
+        blocks = self.data.shape[0]
+        while blocks * KV_BLOCK < rows:
+            blocks *= 2
+        return min(blocks, _blocks_for(self.limit))
 
     def reserve(self, rows: int) -> int:
         """Grow to hold `rows` positions; returns the bytes added."""
@@ -63,7 +68,7 @@ class GrowingRows:
             return 0
         if rows > self.limit:
             raise BudgetExceeded(f"{rows} positions exceed the context budget of {self.limit}")
-        grown = np.zeros((self._capacity_for(rows) + 1, *self.data.shape[1:]), dtype=self.data.dtype)
+        grown = np.zeros((self._blocks_after_growth(rows), *self.data.shape[1:]), dtype=self.data.dtype)
         grown[: self.data.shape[0]] = self.data
         added = grown.nbytes - self.data.nbytes
         self.data = grown
@@ -72,28 +77,28 @@ class GrowingRows:
     def growth_bytes(self, rows: int) -> int:
         if rows <= self.capacity:
             return 0
-        return (self._capacity_for(rows) - self.capacity) * int(np.prod(self.data.shape[1:])) * self.data.itemsize
+        return (self._blocks_after_growth(rows) - self.data.shape[0]) * self.data[0].nbytes
 
     def write(self, positions: np.ndarray, rows: np.ndarray) -> None:
-        self.data[np.asarray(positions) + 1] = rows
+        positions = np.asarray(positions)
+        self.data[positions // KV_BLOCK, :, positions % KV_BLOCK] = rows
 
     def read(self, positions: np.ndarray) -> np.ndarray:
-        """Rows at `positions`; -1 reads an arbitrary row (padding, masked by the caller).
+        """Rows [len(positions), heads, D]; -1 reads an arbitrary row (padding, masked by the caller)."""
+        positions = np.maximum(np.asarray(positions), 0)
+        return self.data[positions // KV_BLOCK, :, positions % KV_BLOCK]
 
-        Plans put padding first and then consecutive positions; then the rows just before the run
-        stand in for the padding and the read is a view.
-        """
-        index = np.asarray(positions) + 1
-        pads = int(np.count_nonzero(index == 0))
-        first = int(index[pads]) - pads if pads < len(index) else -1
-        run = np.arange(first + pads, first + len(index))
-        if first >= 0 and not index[:pads].any() and np.array_equal(index[pads:], run):
-            return self.data[first : first + len(index)]
-        return self.data[index]
+    def blocks(self, count: int) -> np.ndarray:
+        """The first `count` blocks [count, heads, KV_BLOCK, D], a view of the storage."""
+        return self.data[:count]
 
     @property
     def nbytes(self) -> int:
         return self.data.nbytes
+
+
+def _blocks_for(rows: int) -> int:
+    return max(1, -(-rows // KV_BLOCK))
 
 
 Rows = RingRows | GrowingRows
