@@ -76,6 +76,13 @@ def check_precision(precision: str) -> None:
         raise fail(f"--precision '{precision}' is not one of {', '.join(PRECISION_PRESETS)}")
 
 
+def check_kv_precision(kv_precision: str) -> None:
+    from cascadia.engine.settings import KV_PRECISIONS
+
+    if kv_precision not in KV_PRECISIONS:
+        raise fail(f"--kv-precision '{kv_precision}' is not one of {', '.join(KV_PRECISIONS)}")
+
+
 def parse_layers(layers: str) -> tuple[int, int]:
     try:
         start, end = (int(x) for x in layers.split(":"))
@@ -662,7 +669,9 @@ ApiKeysFile = Annotated[
     typer.Option(exists=True, dir_okay=False, help="File of API keys, one per line (also $CASCADIA_API_KEYS)."),
 ]
 MaxContext = Annotated[int, typer.Option(min=2, help="Positions per request: prompt plus generated tokens.")]
-KvPrecisionOption = Annotated[str, typer.Option(help="Keys and values kept as f32 or f16 (half the memory).")]
+KvPrecisionOption = Annotated[
+    str, typer.Option(help="Keys and values kept as f32, f16 (half the memory) or u8 (about a quarter).")
+]
 MaxConcurrentPerKey = Annotated[int, typer.Option(min=0, help="Requests in flight per API key (0: no limit).")]
 
 
@@ -794,8 +803,7 @@ def up(
     check_precision(precision)
     if speculation not in ("on", "off"):
         raise fail(f"--speculation '{speculation}' is not one of on, off")
-    if kv_precision not in ("f32", "f16"):
-        raise fail(f"--kv-precision '{kv_precision}' is not one of f32, f16")
+    check_kv_precision(kv_precision)
     if tls_dir is not None:
         import os
 
@@ -963,8 +971,7 @@ def plan(
 
     if (model is None) == (preset_name is None):
         raise fail("give exactly one of --model and --preset")
-    if kv_precision not in ("f32", "f16"):
-        raise fail(f"--kv-precision '{kv_precision}' is not one of f32, f16")
+    check_kv_precision(kv_precision)
     for flag, value in (
         ("--expert-weights", expert_weights),
         ("--attention-weights", attention_weights),
@@ -983,7 +990,7 @@ def plan(
             layers_per_node=layers_per_node,
             streams=streams,
             context=context,
-            kv_bytes={"f32": 4, "f16": 2}[kv_precision],
+            kv_precision=kv_precision,
         )
         fleet = plan_fleet(shape, request)
     except (PlanError, ConfigError) as exc:

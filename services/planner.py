@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from cascadia.engine.kv_quant import bytes_per_element
 from cascadia.model.config import ModelShape, shape_from_config
 from cascadia.model.formats import WeightFormat, stored_bytes
 
@@ -88,7 +89,7 @@ class PlanRequest:
     context: int = 1024  # global-layer positions per stream
     rewind_slack: int = 32
     runtime_overhead: int = 2 * GIB  # OpenVINO runtime, activations, buffers per node
-    kv_bytes: int = 4  # bytes per cached key or value element: 4 (f32) or 2 (f16)
+    kv_precision: str = "f32"  # keys and values as cached: f32, f16 or u8
 
     @classmethod
     def from_settings(cls, nodes: tuple[str, ...], node_memory: int, settings: EngineSettings, **kw) -> PlanRequest:
@@ -100,6 +101,7 @@ class PlanRequest:
             settings.head_weights,
             context=settings.context,
             rewind_slack=settings.rewind_slack,
+            kv_precision=settings.kv_precision,
             **kw,
         )
 
@@ -161,7 +163,7 @@ def layer_kv_bytes(shape: ModelShape, layer: int, request: PlanRequest) -> int:
     """State bytes one layer keeps for all planned streams: KV rows and the four conv histories."""
     a = shape.layer_attention(layer)
     positions = request.context if a.window is None else a.window - 1 + request.rewind_slack
-    kv = positions * 2 * a.kv_width * request.kv_bytes
+    kv = round(positions * 2 * a.kv_width * bytes_per_element(request.kv_precision, a.head_dim))
     conv_rows = shape.conv_kernel_size - 1 + request.rewind_slack if shape.has_convs else 0
     conv = conv_rows * (2 * a.kv_width + 2 * shape.hidden_size) * 4
     return request.streams * (kv + conv)

@@ -191,3 +191,31 @@ def test_f16_kv_halves_the_cache_and_stays_within_a_thousandth(tiny, engine):
     )
     with pytest.raises(ValueError, match="kv_precision 'u4'"):
         EngineSettings(kv_precision="u4")  # type: ignore[arg-type]
+
+
+def test_u8_kv_attends_exactly_over_its_dequantised_rows_in_about_a_quarter_of_the_memory(tiny, engine):
+    """u8 keys and values (a scale and an offset per row and head) against the f32 engine whose caches
+    hold the same rows quantised and dequantised: the graph's widening and the block and ring stores
+    are exact, so the only difference from f32 is the rounding itself."""
+    from cascadia.engine.kv_quant import dequantize, quantize
+
+    u8 = StageEngine(load_stage(tiny, 0, load_shape(tiny).num_layers), EngineSettings(context=256, kv_precision="u8"))
+    assert u8.kv_bytes_per_position() < 0.4 * engine.kv_bytes_per_position()
+    ids = np.array([1, *range(30, 230)])  # past the sliding window, the relative extent and a cache block
+    u8.open("u8-kv")
+    engine.open("rounded")
+    for layer in engine._stream("rounded").layers:
+        for store in (layer.keys, layer.values):
+            write = store.write
+            store.write = lambda positions, rows, write=write: write(positions, dequantize(*quantize(rows)))
+    rounded = feed(engine, "rounded", ids, 16)
+    ours = feed(u8, "u8-kv", ids, 16)
+    rel = np.sqrt(np.mean((ours - rounded) ** 2)) / np.sqrt(np.mean(rounded**2))
+    assert rel <= 1e-5, rel
+
+    def kv_bytes(e: StageEngine, stream: str) -> int:
+        return sum(layer.keys.nbytes + layer.values.nbytes for layer in e._stream(stream).layers)
+
+    assert kv_bytes(u8, "u8-kv") < 0.4 * kv_bytes(engine, "rounded")
+    u8.close("u8-kv")
+    engine.close("rounded")

@@ -264,6 +264,17 @@ def test_smollm_knows_the_capital_of_france(smollm_engine, codec):
 
 
 @pytest.mark.slow
+def test_smollm_with_u8_kv_keeps_the_f32_kv_greedy_continuation(smollm_engine, codec):
+    """On real weights the u8 cache (a scale and an offset per row and head) leaves greedy decoding unchanged."""
+    path = resolve(SMOLLM)
+    u8 = StageEngine(load_stage(path, 0, load_shape(path).num_layers), EngineSettings(kv_precision="u8"))
+    for prompt in PROMPTS.values():
+        ids = codec.encode(prompt)
+        params = SamplingParams(max_tokens=32)
+        assert generate(u8, ids, params).token_ids == generate(smollm_engine, ids, params).token_ids, prompt
+
+
+@pytest.mark.slow
 def test_smollm_dense_layers_run_through_the_fused_expert_path(smollm_engine):
     # the stage is one compiled model; every layer's gate, up and down run as fused expert banks
     (ops,) = smollm_engine.runtime_ops()

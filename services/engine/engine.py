@@ -17,6 +17,7 @@ import openvino as ov
 
 from cascadia.engine import graphs, llama_graphs
 from cascadia.engine.batch import KeyPlan, Segment, StepPlan, plan_step
+from cascadia.engine.kv_quant import bytes_per_element
 from cascadia.engine.settings import EngineSettings
 from cascadia.engine.state import KV_BLOCK, BudgetExceeded, GrowingRows, LayerState, RingRows, Rows, StreamState
 from cascadia.model.checkpoint import LayerWeights, StageWeights
@@ -137,11 +138,27 @@ def _stacked(rows: list[np.ndarray]) -> np.ndarray:
     return rows[0][None] if len(rows) == 1 else np.stack(rows)
 
 
-def _far_blocks(stores: Sequence[Rows], plan: KeyPlan) -> np.ndarray:
-    """The cache blocks holding each stream's far keys, as one [S, N, Hkv, B, D] array (a view for one stream)."""
-    blocks = [store.blocks(plan.far_blocks) for store in stores if isinstance(store, GrowingRows)]
-    if len(blocks) != len(stores):
+def _cached_inputs(name: str, stores: Sequence[Rows], positions: np.ndarray) -> dict[str, np.ndarray]:
+    """Input `name` [S, L, Hkv, D]: each stream's cached rows at its positions (and `{name}_params` for u8)."""
+    inputs = {name: _stacked([store.read(positions[b]) for b, store in enumerate(stores)])}
+    if stores[0].params is not None:
+        inputs[f"{name}_params"] = _stacked([store.read_params(positions[b]) for b, store in enumerate(stores)])
+    return inputs
+
+
+def _far_inputs(name: str, stores: Sequence[Rows], plan: KeyPlan) -> dict[str, np.ndarray]:
+    """Input `name` [S, N, Hkv, B, D]: the cache blocks holding each stream's far keys (and `{name}_params` for u8)."""
+    caches = [store for store in stores if isinstance(store, GrowingRows)]
+    if len(caches) != len(stores):
         raise TypeError("far keys are read from global layers' block caches")
+    inputs = {name: _far_blocks([c.blocks(plan.far_blocks) for c in caches], plan)}
+    if caches[0].params is not None:
+        inputs[f"{name}_params"] = _far_blocks([c.block_params(plan.far_blocks) for c in caches], plan)
+    return inputs
+
+
+def _far_blocks(blocks: list[np.ndarray], plan: KeyPlan) -> np.ndarray:
+    """Streams' leading blocks as one array: a view for one stream, else only blocks with far keys are copied."""
     if len(blocks) == 1 and blocks[0].shape[0] == plan.far_blocks:
         return blocks[0][None]
     if not plan.far_keys.any():
@@ -263,7 +280,7 @@ class StageEngine:
                 f"stream {stream!r}: context {context} exceeds this engine's budget of {self.settings.context}"
             )
         slack, kernel = self.settings.rewind_slack, self.shape.conv_kernel_size
-        kv = {"f32": "float32", "f16": "float16"}[self.settings.kv_precision]
+        kv = {"f32": "float32", "f16": "float16", "u8": "uint8"}[self.settings.kv_precision]
         layers = []
         for layer in self._layers:
             a = layer.attention
@@ -292,8 +309,12 @@ class StageEngine:
 
     def kv_bytes_per_position(self) -> int:
         """KV bytes one more position of one stream costs on this stage (global layers; sliding ones are bounded)."""
-        itemsize = 2 if self.settings.kv_precision == "f16" else 4
-        return sum(2 * layer.attention.kv_width * itemsize for layer in self._layers if layer.attention.window is None)
+        precision = self.settings.kv_precision
+        return sum(
+            round(2 * a.kv_width * bytes_per_element(precision, a.head_dim))
+            for a in (layer.attention for layer in self._layers)
+            if a.window is None
+        )
 
     def stream_bytes(self, stream: Hashable) -> int:
         return self._stream(stream).nbytes
@@ -392,8 +413,8 @@ class StageEngine:
             "query_position": plan.row_position.astype(np.float32),
         }
         for li in range(len(self._layers)):
-            inputs[f"past_k_{li}"] = _stacked([st.layers[li].keys.read(past[b]) for b, st in enumerate(states)])
-            inputs[f"past_v_{li}"] = _stacked([st.layers[li].values.read(past[b]) for b, st in enumerate(states)])
+            inputs.update(_cached_inputs(f"past_k_{li}", [st.layers[li].keys for st in states], past))
+            inputs.update(_cached_inputs(f"past_v_{li}", [st.layers[li].values for st in states], past))
         layers = range(len(self._layers))
         wanted = ["hidden_out", *(f"new_{kv}_{li}" for li in layers for kv in "kv")]
         if trace is not None:
@@ -423,20 +444,19 @@ class StageEngine:
             )
 
         past = keys_plan.past_positions
-        past_k = _stacked([st.layers[li].keys.read(past[b]) for b, st in enumerate(states)])
-        past_v = _stacked([st.layers[li].values.read(past[b]) for b, st in enumerate(states)])
+        keys, values = [st.layers[li].keys for st in states], [st.layers[li].values for st in states]
         inputs = {
             "hidden": hidden,
             "cell_rows": plan.cell_rows,
             "row_cells": plan.row_cells,
-            "past_k": past_k,
-            "past_v": past_v,
             "key_mask": keys_plan.key_mask,
+            **_cached_inputs("past_k", keys, past),
+            **_cached_inputs("past_v", values, past),
         }
         if keys_plan.far_mask is not None:
             inputs["far_mask"] = keys_plan.far_mask
-            inputs["far_k"] = _far_blocks([st.layers[li].keys for st in states], keys_plan)
-            inputs["far_v"] = _far_blocks([st.layers[li].values for st in states], keys_plan)
+            inputs.update(_far_inputs("far_k", keys, keys_plan))
+            inputs.update(_far_inputs("far_v", values, keys_plan))
         hist_m = None
         if layer.has_convs:
             inputs.update(

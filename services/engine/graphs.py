@@ -18,6 +18,7 @@ import openvino as ov
 import openvino.opset16 as ops
 from openvino.utils.node_factory import NodeFactory
 
+from cascadia.engine.kv_quant import PARAMS
 from cascadia.engine.state import KV_BLOCK
 from cascadia.engine.weights import Weight, WeightFormat, weight_node
 from cascadia.model.checkpoint import LayerWeights
@@ -47,6 +48,22 @@ def _param(name: str, shape: list[int], dtype: str = "f32") -> ov.Node:
     return node
 
 
+def cached_rows(name: str, shape: list[int], kv_type: str) -> tuple[list[ov.Node], Node]:
+    """A cached key or value input and the node attention reads.
+
+    f32 and f16 rows are the input itself (`as_f32` widens f16 where it is read); u8 rows come with
+    `{name}_params` [..., 2] (each row's scale and offset, see `kv_quant`) and are widened here.
+    """
+    if kv_type != "u8":
+        rows = _param(name, shape, kv_type)
+        return [rows], rows
+    codes = _param(name, shape, "u8")
+    params = _param(f"{name}_params", [*shape[:-1], PARAMS])
+    scale = ops.slice(params, _i64(0), _i64(1), _i64(1), _i64(-1))
+    offset = ops.slice(params, _i64(1), _i64(2), _i64(1), _i64(-1))
+    return [codes, params], ops.add(ops.multiply(ops.convert(codes, "f32"), scale), offset)
+
+
 def _named(node: Node, name: str) -> Node:
     node.output(0).get_tensor().set_names({name})
     return node
@@ -68,10 +85,10 @@ class FarKeys:
 
 
 def far_inputs(kv_heads: int, head_dim: int, block: int, kv_type: str = "f32") -> tuple[list[ov.Node], FarKeys]:
-    far_k = _param("far_k", [-1, -1, kv_heads, block, head_dim], kv_type)
-    far_v = _param("far_v", [-1, -1, kv_heads, block, head_dim], kv_type)
+    k_params, far_k = cached_rows("far_k", [-1, -1, kv_heads, block, head_dim], kv_type)
+    v_params, far_v = cached_rows("far_v", [-1, -1, kv_heads, block, head_dim], kv_type)
     far_mask = _param("far_mask", [-1, -1])
-    return [far_k, far_v, far_mask], FarKeys(far_k, far_v, far_mask, block)
+    return [*k_params, *v_params, far_mask], FarKeys(far_k, far_v, far_mask, block)
 
 
 def segment_attention(
@@ -201,11 +218,11 @@ def attention_graph(
     conv_index = _param("conv_index", [-1, k], "i32")
     cell_rows = _param("cell_rows", [-1], "i32")
     row_cells = _param("row_cells", [-1], "i32")
-    past_k = _param("past_k", [-1, -1, a.num_kv_heads, d], kv_type)
-    past_v = _param("past_v", [-1, -1, a.num_kv_heads, d], kv_type)
+    k_params, past_k = cached_rows("past_k", [-1, -1, a.num_kv_heads, d], kv_type)
+    v_params, past_v = cached_rows("past_v", [-1, -1, a.num_kv_heads, d], kv_type)
     key_mask = _param("key_mask", [-1, -1])
     key_distance = _param("key_distance", [-1, -1], "i32")
-    params = [hidden, hist_k, hist_v, hist_o, conv_index, cell_rows, row_cells, past_k, past_v]
+    params = [hidden, hist_k, hist_v, hist_o, conv_index, cell_rows, row_cells, *k_params, *v_params]
     params += [key_mask, key_distance]
     far = None
     if a.window is None:

@@ -15,7 +15,7 @@ import openvino as ov
 import openvino.opset16 as ops
 
 from cascadia.engine import graphs
-from cascadia.engine.graphs import _f32, _i64, _named, _param, linear, rms_norm, segment_attention
+from cascadia.engine.graphs import _f32, _i64, _named, _param, cached_rows, linear, rms_norm, segment_attention
 from cascadia.engine.weights import WeightFormat
 from cascadia.model.config import ModelShape
 from cascadia.model.formats import join_input_columns, join_output_rows
@@ -118,15 +118,15 @@ def layer_graph(
     """
     a = shape.layer_attention(layer.index)
     hidden = _param("hidden", [-1, shape.hidden_size])
-    past_k = _param("past_k", [-1, -1, a.num_kv_heads, a.head_dim], kv_type)
-    past_v = _param("past_v", [-1, -1, a.num_kv_heads, a.head_dim], kv_type)
+    k_params, past_k = cached_rows("past_k", [-1, -1, a.num_kv_heads, a.head_dim], kv_type)
+    v_params, past_v = cached_rows("past_v", [-1, -1, a.num_kv_heads, a.head_dim], kv_type)
     shared_params, shared = _shared_inputs(shape)
     keys, values, rest = _layer(shape, layer, hidden, shared, past_k, past_v, attention_fmt, expert_fmt)
     names = ["hidden_out"] if expert_fmt is not None else ["residual", "mlp_input", "expert_index", "expert_weight"]
     results = [_named(keys, "new_k"), _named(values, "new_v")] + [
         _named(n, m) for n, m in zip(rest, names, strict=True)
     ]
-    params = [hidden, past_k, past_v, *shared_params]
+    params = [hidden, *k_params, *v_params, *shared_params]
     return ov.Model([ops.result(n) for n in results], params, f"layer{layer.index}_llama")
 
 
@@ -149,9 +149,9 @@ def stage_graph(
     x = hidden
     for n, layer in enumerate(layers):
         a = shape.layer_attention(layer.index)
-        past_k = _param(f"past_k_{n}", [-1, -1, a.num_kv_heads, a.head_dim], kv_type)
-        past_v = _param(f"past_v_{n}", [-1, -1, a.num_kv_heads, a.head_dim], kv_type)
-        params += [past_k, past_v]
+        k_params, past_k = cached_rows(f"past_k_{n}", [-1, -1, a.num_kv_heads, a.head_dim], kv_type)
+        v_params, past_v = cached_rows(f"past_v_{n}", [-1, -1, a.num_kv_heads, a.head_dim], kv_type)
+        params += [*k_params, *v_params]
         keys, values, (x,) = _layer(shape, layer, x, shared, past_k, past_v, attention_fmt, expert_fmt, dense_ffn)
         results += [_named(keys, f"new_k_{n}"), _named(values, f"new_v_{n}"), _named(x, f"layer_out_{n}")]
     results.append(_named(ops.convert(x, "f32"), "hidden_out"))

@@ -8,8 +8,8 @@ from typing import Literal
 from cascadia.engine.weights import WEIGHT_FORMATS, WeightFormat
 
 Compute = Literal["f32", "bf16", "f16"]
-KvPrecision = Literal["f32", "f16"]
-KV_PRECISIONS: tuple[KvPrecision, ...] = ("f32", "f16")
+KvPrecision = Literal["f32", "f16", "u8"]
+KV_PRECISIONS: tuple[KvPrecision, ...] = ("f32", "f16", "u8")
 COMPUTE_PRECISIONS: tuple[Compute, ...] = ("f32", "bf16", "f16")
 PRECISION_PRESETS = ("f32", "bf16", "f16", "int8", "int4")
 
@@ -35,7 +35,8 @@ class EngineSettings:
     # dense FFNs: "experts" runs them as all-active slices through the fused expert kernel (one path
     # for sparse and dense layers); "matmul" as three plain matmuls, for comparison
     dense_ffn: Literal["experts", "matmul"] = "experts"
-    # keys and values as the streams keep them; f16 halves KV memory for long contexts
+    # keys and values as the streams keep them; f16 halves KV memory for long contexts, u8 (a scale
+    # and an offset per row and head) takes a little over a quarter
     kv_precision: KvPrecision = "f32"
 
     def __post_init__(self) -> None:

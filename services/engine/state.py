@@ -11,9 +11,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cascadia.engine.kv_quant import PARAMS, quantize
+
 
 class BudgetExceeded(RuntimeError):
     """A stream would pass its context budget, or the engine its memory budget."""
+
+
+def _params_for(data: np.ndarray) -> np.ndarray | None:
+    """u8 rows carry a scale and an offset per row (see `kv_quant`); other precisions nothing."""
+    return np.zeros((*data.shape[:-1], PARAMS), dtype=np.float32) if data.dtype == np.uint8 else None
 
 
 class RingRows:
@@ -22,16 +29,25 @@ class RingRows:
     def __init__(self, capacity: int, row_shape: tuple[int, ...], dtype: str = "float32") -> None:
         self.capacity = capacity
         self.data = np.zeros((capacity, *row_shape), dtype=dtype)
+        self.params = _params_for(self.data)
 
     def write(self, positions: np.ndarray, rows: np.ndarray) -> None:
-        self.data[positions % self.capacity] = rows
+        slots = positions % self.capacity
+        if self.params is None:
+            self.data[slots] = rows
+        else:
+            self.data[slots], self.params[slots] = quantize(rows)
 
     def read(self, positions: np.ndarray) -> np.ndarray:
         return self.data[positions % self.capacity]
 
+    def read_params(self, positions: np.ndarray) -> np.ndarray:
+        assert self.params is not None, "only u8 rows have params"
+        return self.params[positions % self.capacity]
+
     @property
     def nbytes(self) -> int:
-        return self.data.nbytes
+        return self.data.nbytes + (0 if self.params is None else self.params.nbytes)
 
 
 KV_BLOCK = 64  # positions per block of a global layer's cache
@@ -50,6 +66,7 @@ class GrowingRows:
         self.limit = limit
         heads, width = row_shape
         self.data = np.zeros((_blocks_for(min(initial, limit)), heads, KV_BLOCK, width), dtype=dtype)
+        self.params = _params_for(self.data)
 
     @property
     def capacity(self) -> int:
@@ -68,33 +85,52 @@ class GrowingRows:
             return 0
         if rows > self.limit:
             raise BudgetExceeded(f"{rows} positions exceed the context budget of {self.limit}")
-        grown = np.zeros((self._blocks_after_growth(rows), *self.data.shape[1:]), dtype=self.data.dtype)
-        grown[: self.data.shape[0]] = self.data
-        added = grown.nbytes - self.data.nbytes
-        self.data = grown
-        return added
+        before = self.nbytes
+        self.data = self._grown(self.data, rows)
+        if self.params is not None:
+            self.params = self._grown(self.params, rows)
+        return self.nbytes - before
+
+    def _grown(self, array: np.ndarray, rows: int) -> np.ndarray:
+        grown = np.zeros((self._blocks_after_growth(rows), *array.shape[1:]), dtype=array.dtype)
+        grown[: array.shape[0]] = array
+        return grown
 
     def growth_bytes(self, rows: int) -> int:
         if rows <= self.capacity:
             return 0
-        return (self._blocks_after_growth(rows) - self.data.shape[0]) * self.data[0].nbytes
+        block_bytes = self.data[0].nbytes + (0 if self.params is None else self.params[0].nbytes)
+        return (self._blocks_after_growth(rows) - self.data.shape[0]) * block_bytes
 
     def write(self, positions: np.ndarray, rows: np.ndarray) -> None:
         positions = np.asarray(positions)
-        self.data[positions // KV_BLOCK, :, positions % KV_BLOCK] = rows
+        blocks, slots = positions // KV_BLOCK, positions % KV_BLOCK
+        if self.params is None:
+            self.data[blocks, :, slots] = rows
+        else:
+            self.data[blocks, :, slots], self.params[blocks, :, slots] = quantize(rows)
 
     def read(self, positions: np.ndarray) -> np.ndarray:
         """Rows [len(positions), heads, D]; -1 reads an arbitrary row (padding, masked by the caller)."""
         positions = np.maximum(np.asarray(positions), 0)
         return self.data[positions // KV_BLOCK, :, positions % KV_BLOCK]
 
+    def read_params(self, positions: np.ndarray) -> np.ndarray:
+        assert self.params is not None, "only u8 rows have params"
+        positions = np.maximum(np.asarray(positions), 0)
+        return self.params[positions // KV_BLOCK, :, positions % KV_BLOCK]
+
     def blocks(self, count: int) -> np.ndarray:
         """The first `count` blocks [count, heads, KV_BLOCK, D], a view of the storage."""
         return self.data[:count]
 
+    def block_params(self, count: int) -> np.ndarray:
+        assert self.params is not None, "only u8 rows have params"
+        return self.params[:count]
+
     @property
     def nbytes(self) -> int:
-        return self.data.nbytes
+        return self.data.nbytes + (0 if self.params is None else self.params.nbytes)
 
 
 def _blocks_for(rows: int) -> int:
