@@ -70,7 +70,7 @@ def test_rewind_beyond_the_slack_is_refused_without_changing_state(engine):
 
 def test_a_batch_of_streams_at_different_positions_equals_each_stream_alone(engine):
     alone = {}
-    # b's history reaches past two cache blocks of far keys while a and c have none or a part of one
+    # b's far keys reach into a second cache block while a and c have none or part of one
     for name, ids in (("a", IDS[:20]), ("b", np.resize(IDS[5:], 150)), ("c", np.resize(IDS[::-1], 80))):
         engine.open(name)
         alone[name] = (ids, feed(engine, name, ids, len(ids)))

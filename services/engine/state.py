@@ -50,7 +50,7 @@ class RingRows:
         return self.data.nbytes + (0 if self.params is None else self.params.nbytes)
 
 
-KV_BLOCK = 64  # positions per block of a global layer's cache
+KV_BLOCK = 128  # positions per block of a global layer's cache
 
 
 class GrowingRows:
