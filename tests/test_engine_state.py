@@ -219,3 +219,29 @@ def test_u8_kv_attends_exactly_over_its_dequantised_rows_in_about_a_quarter_of_t
     assert kv_bytes(u8, "u8-kv") < 0.4 * kv_bytes(engine, "rounded")
     u8.close("u8-kv")
     engine.close("rounded")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "uint8"])
+def test_a_global_cache_grows_in_doubling_blocks_up_to_its_budget_and_keeps_its_rows(dtype):
+    from cascadia.engine.kv_quant import dequantize
+    from cascadia.engine.state import KV_BLOCK, GrowingRows
+
+    cache = GrowingRows(5 * KV_BLOCK, (2, 4), dtype=dtype)
+    rows = np.random.default_rng(0).standard_normal((3 * KV_BLOCK, 2, 4)).astype(np.float32)
+    cache.write(np.arange(KV_BLOCK), rows[:KV_BLOCK])
+    expected = cache.growth_bytes(3 * KV_BLOCK)
+    assert cache.reserve(3 * KV_BLOCK) == expected > 0
+    assert cache.capacity == 4 * KV_BLOCK  # one block doubled twice
+    cache.write(np.arange(KV_BLOCK, 3 * KV_BLOCK), rows[KV_BLOCK:])
+    cache.reserve(5 * KV_BLOCK)
+    assert cache.capacity == 5 * KV_BLOCK  # doubling stops at the budget
+    with pytest.raises(BudgetExceeded, match="context budget"):
+        cache.reserve(5 * KV_BLOCK + 1)
+    positions = np.array([0, KV_BLOCK - 1, KV_BLOCK, 3 * KV_BLOCK - 1])
+    back = (
+        cache.read(positions) if dtype == "float32" else dequantize(cache.read(positions), cache.read_params(positions))
+    )
+    np.testing.assert_allclose(back, rows[positions], atol=0 if dtype == "float32" else 0.02)
+    blocks = cache.blocks(2)
+    assert np.shares_memory(blocks, cache.data) and blocks.shape == (2, 2, KV_BLOCK, 4)
+    np.testing.assert_array_equal(blocks[1, :, 5], cache.read(np.array([KV_BLOCK + 5]))[0])
