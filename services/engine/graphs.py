@@ -3,6 +3,7 @@
 Shape legend: T = rows in the step (tokens of many streams, flattened), S = streams in the step,
 R = S * (K - 1) conv-history rows, K = conv kernel, Lc = cached key slots per stream, W = in-step key
 slots per row, H = hidden, Hq / Hkv = query / key-value heads, G = Hq / Hkv, D = head dim,
+N = cache blocks of a global layer's far keys, B = positions per block,
 E = experts in the layer's bank (routed + shared, or the dense slices), I = expert width.
 
 Every step-dependent index (which history rows and keys a row sees, distances, masks) is computed on
