@@ -138,7 +138,7 @@ def _key_plan(
     row_position: np.ndarray,
     window: int | None,
     band: int | None,
-    block: int = KV_BLOCK,
+    block: int,
 ) -> KeyPlan:
     first = np.zeros_like(starts) if window is None else np.maximum(0, starts - (window - 1))
     counts = starts - first

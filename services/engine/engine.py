@@ -17,9 +17,9 @@ import openvino as ov
 
 from cascadia.engine import graphs, llama_graphs
 from cascadia.engine.batch import KeyPlan, Segment, StepPlan, plan_step
-from cascadia.engine.kv_quant import bytes_per_element
+from cascadia.engine.kv_quant import STORAGE, bytes_per_element
 from cascadia.engine.settings import EngineSettings
-from cascadia.engine.state import KV_BLOCK, BudgetExceeded, GrowingRows, LayerState, RingRows, Rows, StreamState
+from cascadia.engine.state import BudgetExceeded, GrowingRows, LayerState, RingRows, Rows, StreamState
 from cascadia.model.checkpoint import LayerWeights, StageWeights
 from cascadia.model.config import AttentionShape
 from cascadia.model.formats import as_float
@@ -149,8 +149,7 @@ def _cached_inputs(name: str, stores: Sequence[Rows], positions: np.ndarray) -> 
 def _far_inputs(name: str, stores: Sequence[Rows], plan: KeyPlan) -> dict[str, np.ndarray]:
     """Input `name` [S, N, Hkv, B, D]: the cache blocks holding each stream's far keys (and `{name}_params` for u8)."""
     caches = [store for store in stores if isinstance(store, GrowingRows)]
-    if len(caches) != len(stores):
-        raise TypeError("far keys are read from global layers' block caches")
+    assert len(caches) == len(stores), "far keys are read from global layers' block caches"
     inputs = {name: _far_blocks([c.blocks(plan.far_blocks) for c in caches], plan)}
     if caches[0].params is not None:
         inputs[f"{name}_params"] = _far_blocks([c.block_params(plan.far_blocks) for c in caches], plan)
@@ -164,8 +163,9 @@ def _far_blocks(blocks: list[np.ndarray], plan: KeyPlan) -> np.ndarray:
     if not plan.far_keys.any():
         return _no_far_keys((len(blocks), plan.far_blocks, *blocks[0].shape[1:]), blocks[0].dtype.str)
     out = np.zeros((len(blocks), plan.far_blocks, *blocks[0].shape[1:]), dtype=blocks[0].dtype)
+    block = blocks[0].shape[2]  # [N, Hkv, B, ...]
     for i, (stream_blocks, far) in enumerate(zip(blocks, plan.far_keys, strict=True)):
-        used = -(-int(far) // KV_BLOCK)
+        used = -(-int(far) // block)
         out[i, :used] = stream_blocks[:used]
     return out
 
@@ -280,7 +280,7 @@ class StageEngine:
                 f"stream {stream!r}: context {context} exceeds this engine's budget of {self.settings.context}"
             )
         slack, kernel = self.settings.rewind_slack, self.shape.conv_kernel_size
-        kv = {"f32": "float32", "f16": "float16", "u8": "uint8"}[self.settings.kv_precision]
+        kv = STORAGE[self.settings.kv_precision]
         layers = []
         for layer in self._layers:
             a = layer.attention

@@ -11,6 +11,7 @@ import numpy as np
 
 LEVELS = 255
 PARAMS = 2  # scale, offset
+STORAGE = {"f32": "float32", "f16": "float16", "u8": "uint8"}  # numpy dtype of each KV precision
 
 
 def quantize(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -29,6 +30,5 @@ def dequantize(codes: np.ndarray, params: np.ndarray) -> np.ndarray:
 
 def bytes_per_element(precision: str, head_dim: int) -> float:
     """Bytes one cached key or value element costs, a u8 row's scale and offset included."""
-    if precision == "u8":
-        return 1.0 + PARAMS * 4 / head_dim
-    return {"f32": 4.0, "f16": 2.0}[precision]
+    params = PARAMS * 4 / head_dim if precision == "u8" else 0.0
+    return np.dtype(STORAGE[precision]).itemsize + params
