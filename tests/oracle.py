@@ -11,6 +11,7 @@ from transformers import InklingForCausalLM
 from cascadia.engine.settings import EngineSettings
 from cascadia.engine.weights import dequantize, quantize
 from cascadia.model.checkpoint import StageWeights
+from cascadia.model.formats import join_input_columns
 
 
 def load_oracle(model_dir: Path) -> InklingForCausalLM:
@@ -72,7 +73,12 @@ def dequantised_oracle(model: InklingForCausalLM, weights: StageWeights, setting
             h = shape.hidden_size
             state[p + "mlp.gate_proj.weight"] = torch.from_numpy(gate.reshape(-1, h).copy())
             state[p + "mlp.up_proj.weight"] = torch.from_numpy(up.reshape(-1, h).copy())
-            state[p + "mlp.down_proj.weight"] = torch.from_numpy(down.transpose(1, 0, 2).reshape(h, -1).copy())
+            # as expert slices the down projection is quantised slice by slice, as a plain matmul whole
+            if settings.dense_ffn_path == "matmul":
+                joined = dequantize(quantize(join_input_columns(bank.down), settings.expert_weights))
+            else:
+                joined = join_input_columns(down)
+            state[p + "mlp.down_proj.weight"] = torch.from_numpy(np.ascontiguousarray(joined))
         else:
             e = shape.n_routed_experts
             state[p + "mlp.experts.gate_up_proj"] = torch.from_numpy(np.concatenate([gate[:e], up[:e]], axis=1))

@@ -114,11 +114,28 @@ def test_both_checkpoint_layouts_give_identical_outputs(checkpoints):
 
 @pytest.mark.parametrize("mode", ["f32", "bf16", "int8", "int4"])
 def test_expert_banks_compile_to_fused_gather_matmuls(tiny, mode):
-    """Routed + shared experts (and dense slices) run as OpenVINO's fused MoE kernels, not a Tile over all."""
-    engine = StageEngine(load_stage(tiny, 0, 3), preset(mode))
+    """Routed + shared experts (and dense slices, the iGPU's form) run as fused MoE kernels, not a Tile over all."""
+    engine = StageEngine(load_stage(tiny, 0, 3), preset(mode, dense_ffn="experts"))
     for layer_ops in engine.runtime_ops():
         assert layer_ops.get("GatherMatmul", 0) == 3, layer_ops
         assert "Tile" not in layer_ops and "ScatterElementsUpdate" not in layer_ops
+
+
+@pytest.mark.parametrize("mode", ["f32", "bf16", "int4"])
+def test_dense_layer_as_plain_matmuls_equals_expert_slices(tiny, mode):
+    """The CPU's form of a dense MLP (its default) gives the slices' outputs and has no expert kernel."""
+    shape = load_shape(tiny)
+    assert shape.is_dense(0) and not shape.is_dense(1)
+    weights = load_stage(tiny, 0, 2)
+    ids = PROMPTS["long"]
+    outputs = {}
+    for form in ("experts", "matmul"):
+        engine = StageEngine(weights, preset(mode, dense_ffn=form))
+        if form == "matmul":
+            dense_ops, sparse_ops = engine.runtime_ops()
+            assert "GatherMatmul" not in dense_ops and sparse_ops.get("GatherMatmul", 0) == 3
+        outputs[form] = run_prompt(engine, ids)[0][0]
+    assert relative_rms(outputs["matmul"], outputs["experts"]) <= (1e-2 if mode == "bf16" else 1e-5)
 
 
 @pytest.mark.slow

@@ -275,9 +275,15 @@ def test_smollm_with_u8_kv_keeps_the_f32_kv_greedy_continuation(smollm_engine, c
 
 
 @pytest.mark.slow
-def test_smollm_dense_layers_run_through_the_fused_expert_path(smollm_engine):
-    # the stage is one compiled model; every layer's gate, up and down run as fused expert banks
+def test_smollm_dense_layers_compile_to_the_form_asked_for(smollm_engine):
+    """The stage is one compiled model: on the CPU (default) every FFN is three compressed matmuls;
+    as expert slices (the iGPU's form) every layer's gate, up and down run as fused expert banks."""
     (ops,) = smollm_engine.runtime_ops()
+    assert ops.get("GatherMatmul", 0) + ops.get("GatherMatmulCompressed", 0) == 0, ops
+    assert ops.get("FullyConnectedCompressed", 0) + ops.get("FullyConnected", 0) >= 7 * 30, ops
+    path = resolve(SMOLLM)
+    sliced = StageEngine(load_stage(path, 0, load_shape(path).num_layers), EngineSettings(dense_ffn="experts"))
+    (ops,) = sliced.runtime_ops()
     assert ops.get("GatherMatmul", 0) + ops.get("GatherMatmulCompressed", 0) >= 3 * 30, ops
 
 
@@ -334,7 +340,8 @@ def test_default_fleet_answers_through_the_openai_client(tmp_path, codec):
 
 
 def _dequantised_oracle(path: Path, settings):
-    """transformers on the very weights the engine computes with (the FFN quantised slice by slice)."""
+    """transformers on the very weights the engine computes with (a down projection run as expert
+    slices is quantised slice by slice, as plain matmuls whole)."""
     from cascadia.engine.weights import quantize
     from cascadia.model.checkpoint import DENSE_SLICES
 
@@ -344,7 +351,7 @@ def _dequantised_oracle(path: Path, settings):
             if param.dim() != 2:
                 continue
             w = param.numpy()
-            if "mlp.down_proj" in name:
+            if "mlp.down_proj" in name and settings.dense_ffn_path == "experts":
                 n, k = w.shape
                 sliced = w.reshape(n, DENSE_SLICES, k // DENSE_SLICES).transpose(1, 0, 2)
                 back = dequantize(quantize(sliced, settings.expert_weights)).transpose(1, 0, 2).reshape(n, k)

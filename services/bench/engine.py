@@ -178,8 +178,8 @@ def measure_dense_layer(model_dir: Path, shape: ModelShape, repeats: int) -> dic
     layer = load_stage(model_dir, dense[0], dense[0] + 1).layers[0]
     core = ov.Core()
     config = {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
-    sliced = core.compile_model(graphs.dense_as_experts_graph(shape, layer), "CPU", config).create_infer_request()
-    plain = core.compile_model(graphs.dense_mlp_graph(shape, layer), "CPU", config).create_infer_request()
+    sliced = core.compile_model(graphs.dense_mlp_graph(shape, layer, "experts"), "CPU", config).create_infer_request()
+    plain = core.compile_model(graphs.dense_mlp_graph(shape, layer, "matmul"), "CPU", config).create_infer_request()
     out: dict[str, Any] = {"layer": dense[0]}
     for rows in (1, 8):
         x = np.random.default_rng(2).standard_normal((rows, shape.hidden_size)).astype(np.float32)

@@ -84,6 +84,7 @@ class _Layer:
             settings.attention_weights,
             None if split else settings.expert_weights,
             kv_type=settings.kv_precision,
+            dense_ffn=settings.dense_ffn_path,
         )
         self.attention_model = core.compile_model(attention_model, settings.device, residual_cfg)
         self.attention_request = self.attention_model.create_infer_request()
@@ -93,7 +94,7 @@ class _Layer:
             scale = _power_of_two_scale(weights)
             try:
                 self.expert_model = core.compile_model(
-                    graphs.expert_graph(shape, weights, settings.expert_weights, scale),
+                    graphs.expert_graph(shape, weights, settings.expert_weights, scale, settings.dense_ffn_path),
                     settings.device,
                     _compile_config(settings, settings.expert_compute),
                 )
@@ -225,7 +226,7 @@ class StageEngine:
                 weights.layers,
                 settings.attention_weights,
                 settings.expert_weights,
-                settings.dense_ffn,
+                settings.dense_ffn_path,
                 kv_type=settings.kv_precision,
             )
             self._stage_model = core.compile_model(model, settings.device, residual_cfg)

@@ -200,6 +200,7 @@ def attention_graph(
     attention_fmt: WeightFormat,
     expert_fmt: WeightFormat | None,
     kv_type: str = "f32",
+    dense_ffn: str = "experts",
 ) -> ov.Model:
     """Norm, attention with its convs, residual, post-attention norm and the FP32 router.
 
@@ -285,7 +286,9 @@ def attention_graph(
     if expert_fmt is None:
         results += [residual, mlp_input, _named(index, "expert_index"), _named(weight, "expert_weight")]
     else:
-        params_e, results_e = _expert_block(shape, layer, mlp_input, index, weight, residual, conv_index, expert_fmt)
+        params_e, results_e = _expert_block(
+            shape, layer, mlp_input, index, weight, residual, conv_index, expert_fmt, dense_ffn=dense_ffn
+        )
         params += params_e
         results += results_e
     return ov.Model([ops.result(n) for n in results], params, f"layer{i}_attention")
@@ -349,16 +352,27 @@ def _expert_block(
     conv_index: Node | None,
     fmt: WeightFormat,
     out_scale: float = 1.0,
+    dense_ffn: str = "experts",
 ) -> tuple[list[Node], list[Node]]:
-    """Experts, then (when `residual` is given) the MLP-output conv and the residual add."""
+    """Experts, then (when `residual` is given) the MLP-output conv and the residual add.
+
+    A dense layer's bank runs as all-active slices, or with `dense_ffn="matmul"` as three plain
+    matmuls over the joined slices (then `index` and `weight` are not read).
+    """
     i, h = layer.index, shape.hidden_size
     bank = layer.experts
     n = bank.gate.shape[0]
-    gate = weight_node(bank.gate, fmt, f"l{i}.experts.gate")
-    up = weight_node(bank.up, fmt, f"l{i}.experts.up")
     down = bank.down if out_scale == 1.0 else as_float(bank.down) * np.float32(out_scale)
-    down = weight_node(down, fmt, f"l{i}.experts.down")
-    mixed = _fused_experts(x, index, weight, gate, up, down, n, h)
+    if layer.router is None and dense_ffn == "matmul":
+        gate = linear(x, join_output_rows(bank.gate), fmt, f"l{i}.gate")
+        up = linear(x, join_output_rows(bank.up), fmt, f"l{i}.up")
+        mixed = linear(ops.multiply(swish(gate), up), join_input_columns(down), fmt, f"l{i}.down")
+        if layer.dense_scale != 1.0:
+            mixed = ops.multiply(mixed, _f32(layer.dense_scale))
+    else:
+        gate = weight_node(bank.gate, fmt, f"l{i}.experts.gate")
+        up = weight_node(bank.up, fmt, f"l{i}.experts.up")
+        mixed = _fused_experts(x, index, weight, gate, up, weight_node(down, fmt, f"l{i}.experts.down"), n, h)
     if residual is None:
         return [], [_named(mixed, "expert_out")]
     if layer.mlp_conv is None:  # Llama-family: the FFN output joins the residual directly
@@ -369,7 +383,9 @@ def _expert_block(
     return [hist_m], [m_in, out]
 
 
-def expert_graph(shape: ModelShape, layer: LayerWeights, fmt: WeightFormat, out_scale: float) -> ov.Model:
+def expert_graph(
+    shape: ModelShape, layer: LayerWeights, fmt: WeightFormat, out_scale: float, dense_ffn: str = "experts"
+) -> ov.Model:
     """Experts alone, for a compute precision other than the residual stream's.
 
     Down-projection weights are pre-multiplied by `out_scale` (a power of two) so f16 arithmetic
@@ -379,7 +395,7 @@ def expert_graph(shape: ModelShape, layer: LayerWeights, fmt: WeightFormat, out_
     x = _param("mlp_input", [-1, h])
     index = _param("expert_index", [-1, -1], "i32")
     weight = _param("expert_weight", [-1, -1])
-    _, results = _expert_block(shape, layer, x, index, weight, None, None, fmt, out_scale)
+    _, results = _expert_block(shape, layer, x, index, weight, None, None, fmt, out_scale, dense_ffn)
     return ov.Model([ops.result(n) for n in results], [x, index, weight], f"layer{layer.index}_experts")
 
 
@@ -452,20 +468,9 @@ def mtp_input_graph(
     return ov.Model([ops.result(_named(out, "block_input"))], [prev, embedded], "mtp_input")
 
 
-def dense_as_experts_graph(shape: ModelShape, layer: LayerWeights) -> ov.Model:
-    """A dense layer's MLP alone, as all-active expert slices (the engine's path), for benchmarks."""
+def dense_mlp_graph(shape: ModelShape, layer: LayerWeights, dense_ffn: str) -> ov.Model:
+    """A dense layer's MLP alone in either form (all-active expert slices or plain matmuls), for benchmarks."""
     x = _param("mlp_input", [-1, shape.hidden_size])
     index, weight = _routing(shape, layer, x)
-    _, results = _expert_block(shape, layer, x, index, weight, None, None, "f32")
-    return ov.Model([ops.result(n) for n in results], [x], "dense_as_experts")
-
-
-def dense_mlp_graph(shape: ModelShape, layer: LayerWeights) -> ov.Model:
-    """The same MLP as three plain matmuls, the comparison the expert-slice path is measured against."""
-    h = shape.hidden_size
-    x = _param("mlp_input", [-1, h])
-    bank = layer.experts
-    gate, up, down = join_output_rows(bank.gate), join_output_rows(bank.up), join_input_columns(bank.down)
-    act = ops.multiply(swish(linear(x, gate, "f32", "gate")), linear(x, up, "f32", "up"))
-    out = ops.multiply(linear(act, down, "f32", "down"), _f32(layer.dense_scale))
-    return ov.Model([ops.result(out)], [x], "dense_mlp")
+    _, results = _expert_block(shape, layer, x, index, weight, None, None, "f32", dense_ffn=dense_ffn)
+    return ov.Model([ops.result(n) for n in results], [x], f"dense_{dense_ffn}")

@@ -1,8 +1,8 @@
 """OpenVINO graph for one Llama-family decoder layer, batched over many streams like Inkling's.
 
 Same inputs and index tables as `graphs.attention_graph` (see its shape legend), plus each row's
-absolute position for the rotary embedding. Keys are cached after rotation. The FFN runs through
-`graphs`' fused expert path as all-active slices with unit weights.
+absolute position for the rotary embedding. Keys are cached after rotation. The FFN is `graphs`'
+dense bank: all-active expert slices with unit weights, or plain matmuls (`EngineSettings.dense_ffn`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from cascadia.engine import graphs
 from cascadia.engine.graphs import _f32, _i64, _named, _param, cached_rows, linear, rms_norm, segment_attention
 from cascadia.engine.weights import WeightFormat
 from cascadia.model.config import ModelShape
-from cascadia.model.formats import join_input_columns, join_output_rows
 from cascadia.model.llama import LlamaLayerWeights
 
 Node = ov.Node
@@ -92,16 +91,12 @@ def _layer(
     residual = ops.add(hidden, linear(context, layer.o_proj, attention_fmt, f"l{i}.o"))
     mlp_input = rms_norm(residual, layer.post_attention_norm, eps)
 
-    if dense_ffn == "matmul" and expert_fmt is not None:
-        bank = layer.experts
-        gate = linear(mlp_input, join_output_rows(bank.gate), expert_fmt, f"l{i}.gate")
-        up = linear(mlp_input, join_output_rows(bank.up), expert_fmt, f"l{i}.up")
-        down = linear(ops.multiply(graphs.swish(gate), up), join_input_columns(bank.down), expert_fmt, f"l{i}.down")
-        return keys_new, v, [ops.add(residual, down)]
     index, weight = graphs._routing(shape, layer, mlp_input)
     if expert_fmt is None:
         return keys_new, v, [residual, mlp_input, index, weight]
-    _, (hidden_out,) = graphs._expert_block(shape, layer, mlp_input, index, weight, residual, None, expert_fmt)
+    _, (hidden_out,) = graphs._expert_block(
+        shape, layer, mlp_input, index, weight, residual, None, expert_fmt, dense_ffn=dense_ffn
+    )
     return keys_new, v, [hidden_out]
 
 
@@ -111,6 +106,7 @@ def layer_graph(
     attention_fmt: WeightFormat,
     expert_fmt: WeightFormat | None,
     kv_type: str = "f32",
+    dense_ffn: str = "experts",
 ) -> ov.Model:
     """One layer: norm, RoPE attention, residual, post-attention norm, and (with `expert_fmt`) the FFN and its residual.
 
@@ -121,7 +117,7 @@ def layer_graph(
     k_params, past_k = cached_rows("past_k", [-1, -1, a.num_kv_heads, a.head_dim], kv_type)
     v_params, past_v = cached_rows("past_v", [-1, -1, a.num_kv_heads, a.head_dim], kv_type)
     shared_params, shared = _shared_inputs(shape)
-    keys, values, rest = _layer(shape, layer, hidden, shared, past_k, past_v, attention_fmt, expert_fmt)
+    keys, values, rest = _layer(shape, layer, hidden, shared, past_k, past_v, attention_fmt, expert_fmt, dense_ffn)
     names = ["hidden_out"] if expert_fmt is not None else ["residual", "mlp_input", "expert_index", "expert_weight"]
     results = [_named(keys, "new_k"), _named(values, "new_v")] + [
         _named(n, m) for n, m in zip(rest, names, strict=True)

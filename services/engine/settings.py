@@ -9,6 +9,8 @@ from cascadia.engine.weights import WEIGHT_FORMATS, WeightFormat
 
 Compute = Literal["f32", "bf16", "f16"]
 KvPrecision = Literal["f32", "f16", "u8"]
+DenseFfn = Literal["auto", "experts", "matmul"]
+DENSE_FFNS: tuple[DenseFfn, ...] = ("auto", "experts", "matmul")
 KV_PRECISIONS: tuple[KvPrecision, ...] = ("f32", "f16", "u8")
 COMPUTE_PRECISIONS: tuple[Compute, ...] = ("f32", "bf16", "f16")
 PRECISION_PRESETS = ("f32", "bf16", "f16", "int8", "int4")
@@ -33,8 +35,8 @@ class EngineSettings:
     # 0 keeps them in the compute precision (exact to the dequantised weights)
     activation_quant_group: int = 0
     # dense FFNs: "experts" runs them as all-active slices through the fused expert kernel (one path
-    # for sparse and dense layers); "matmul" as three plain matmuls, for comparison
-    dense_ffn: Literal["experts", "matmul"] = "experts"
+    # for sparse and dense layers), "matmul" as three plain matmuls; "auto" picks per device
+    dense_ffn: DenseFfn = "auto"
     # keys and values as the streams keep them; f16 halves KV memory for long contexts, u8 (a scale
     # and an offset per row and head) takes a little over a quarter
     kv_precision: KvPrecision = "f32"
@@ -50,10 +52,22 @@ class EngineSettings:
             raise ValueError(f"context {self.context} must be between 1 and {MAX_CONTEXT} positions")
         if self.kv_precision not in KV_PRECISIONS:
             raise ValueError(f"kv_precision '{self.kv_precision}' is not one of {', '.join(KV_PRECISIONS)}")
-        if self.dense_ffn not in ("experts", "matmul"):
-            raise ValueError(f"dense_ffn '{self.dense_ffn}' is not one of experts, matmul")
+        if self.dense_ffn not in DENSE_FFNS:
+            raise ValueError(f"dense_ffn '{self.dense_ffn}' is not one of {', '.join(DENSE_FFNS)}")
         if self.rewind_slack < 0:
             raise ValueError(f"rewind_slack must be >= 0, got {self.rewind_slack}")
+
+    @property
+    def dense_ffn_path(self) -> Literal["experts", "matmul"]:
+        """The dense FFN form this device runs.
+
+        The iGPU's fused expert kernel ran the slices faster than its plain matmuls; the CPU's
+        GatherMatmul is built for sparse selection and runs every slice of every row as its own gemv
+        (3.1x the plain matmuls at 8 rows here, docs/benchmarks.md "Fused expert path").
+        """
+        if self.dense_ffn != "auto":
+            return self.dense_ffn
+        return "experts" if self.device.upper().startswith("GPU") else "matmul"
 
     @property
     def split_expert_graph(self) -> bool:
