@@ -88,17 +88,22 @@ async def _run(config: SpecBenchConfig, driver, codec, console: Console) -> dict
         }
         console.print(f"{family:8s} speedup {on / off if off else 0:.2f}x  ({off:.1f} -> {on:.1f} tok/s)")
     prompts = [codec.encode(t) for t in FAMILIES.values()]
-    for mode in ("off", "on"):
-        requests = [
-            _one(driver, f"agg-{mode}-{i}", prompts[i % len(prompts)], config.new_tokens, mode == "on")
-            for i in range(config.streams)
-        ]
-        started = time.perf_counter()
-        results = await asyncio.gather(*requests)
-        elapsed = time.perf_counter() - started
+    rates: dict[str, list[float]] = {"off": [], "on": []}
+    for repeat in range(config.repeats):  # interleaved, so a slow spell of the machine hits both modes
+        for mode in ("off", "on"):
+            requests = [
+                _one(driver, f"agg-{mode}-{repeat}-{i}", prompts[i % len(prompts)], config.new_tokens, mode == "on")
+                for i in range(config.streams)
+            ]
+            started = time.perf_counter()
+            results = await asyncio.gather(*requests)
+            elapsed = time.perf_counter() - started
+            rates[mode].append(sum(len(r["tokens"]) for r in results) / elapsed)
+    for mode, values in rates.items():
         out["aggregate"][mode] = {
             "streams": config.streams,
-            "tokens_per_s": sum(len(r["tokens"]) for r in results) / elapsed,
+            "tokens_per_s": statistics.median(values),
+            "runs": [round(v, 2) for v in values],
         }
     console.print(f"{config.streams} streams: {out['aggregate']}")
     return out
