@@ -89,6 +89,16 @@ def test_suffix_proposal_continues_a_copied_passage():
     assert length == 3 and proposal == [8, 9, 10, 11]
 
 
+def test_suffix_proposal_of_a_repeating_run_repeats_its_period():
+    """The latest repeat ends 3 tokens back: the proposal runs on as the period, not 3 tokens and stop."""
+    length, proposal = SuffixAutomaton([9, 1, 2, 3, 1, 2, 3, 1, 2, 3]).propose(7)
+    assert length == 6 and proposal == [1, 2, 3, 1, 2, 3, 1]
+    _, proposal = SuffixAutomaton([4, 4, 4]).propose(5)
+    assert proposal == [4, 4, 4, 4, 4]
+    _, proposal = SuffixAutomaton([7, 1, 2, 7, 1]).propose(2)
+    assert proposal == [2, 7]
+
+
 # -- scheduling of verify rounds (pure) ------------------------------------------------------------
 
 

@@ -64,8 +64,17 @@ class SuffixAutomaton:
         return self._length[state], self._first_end[state]
 
     def propose(self, k: int, min_match: int = 1) -> tuple[int, list[int]]:
-        """Up to k tokens that followed the longest earlier occurrence of the current suffix, and the match length."""
+        """k tokens that followed the longest earlier occurrence of the current suffix, and the match length.
+
+        An occurrence that ends less than k tokens before the end is continued by copying from the
+        proposal itself (as LZ77 copies overlap): a sequence repeating with period p is proposed as
+        that period repeated, not cut off after p tokens.
+        """
         length, end = self.longest_repeat()
         if length < min_match or k <= 0:
             return length, []
-        return length, self.tokens[end + 1 : end + 1 + k]
+        period = len(self.tokens) - 1 - end
+        proposal = self.tokens[end + 1 : end + 1 + min(k, period)]
+        while len(proposal) < k:
+            proposal.append(proposal[len(proposal) - period])
+        return length, proposal
