@@ -132,6 +132,22 @@ def test_scheduler_sends_drafts_and_rewinds_the_rejected_positions():
         s.on_frame_done(next_frame.id, {"a": [1, 2]})  # two tokens for a block without a draft
 
 
+def test_prefilling_and_queued_streams_leave_less_room_for_drafts():
+    """A lone decoding stream drafts 3; with 3 more streams admitted or waiting 1; with 7 more none."""
+    s = Scheduler(SchedulerConfig(stages=1, max_draft=3, max_streams=4))
+    s.set_chain_ready(True)
+    s.submit(Request("a", (1, 2, 3), SamplingParams(max_tokens=10)))
+    (prefill,) = s.next_frames()
+    s.on_frame_done(prefill.id, {"a": 7})
+    assert [w.k for w in s.drafts_wanted()] == [3]
+    for rid in "bcd":
+        s.submit(Request(rid, (1, 2, 3, 4), SamplingParams(max_tokens=10)))
+    assert [w.k for w in s.drafts_wanted()] == [1]
+    for rid in "efgh":
+        s.submit(Request(rid, (1, 2), SamplingParams(max_tokens=10)))
+    assert s.drafts_wanted() == []
+
+
 def test_penalised_and_seeded_sampling_requests_are_not_speculated():
     s = Scheduler(SchedulerConfig(stages=1, max_draft=3))
     s.set_chain_ready(True)

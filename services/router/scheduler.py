@@ -171,15 +171,16 @@ def speculable(request: Request) -> bool:
     return request.speculate and not params.penalised and not seeded_sampling
 
 
-def draft_length(decoding: int, rows_per_group: int, max_draft: int, accepted_ema: float) -> int:
-    """Drafted tokens for one stream's next row: none once decode rows fill the groups, fewer after misses.
+def draft_length(streams: int, rows_per_group: int, max_draft: int, accepted_ema: float) -> int:
+    """Drafted tokens for one stream's next row: none once other streams' rows fill the groups, fewer after misses.
 
     Speculation pays for lone streams and light load: a verify block of k + 1 rows must share its
-    group with the other decoding streams' rows, so with n of them only rows_per_group // n - 1 fit.
+    group with the rows of the other `streams` (decoding, prefilling or waiting to be admitted), so
+    with n of them only rows_per_group // n - 1 fit.
     """
-    if max_draft == 0 or decoding == 0:
+    if max_draft == 0 or streams == 0:
         return 0
-    room = rows_per_group // decoding - 1
+    room = rows_per_group // streams - 1
     adaptive = int(2 * accepted_ema) + 1
     return max(0, min(max_draft, room, adaptive))
 
@@ -286,7 +287,7 @@ class Scheduler:
                 continue
             left = stream.request.params.max_tokens - len(stream.generated)
             k = min(
-                draft_length(len(decoding), self.config.rows_per_group, self.config.max_draft, stream.accepted_ema),
+                draft_length(self._load(), self.config.rows_per_group, self.config.max_draft, stream.accepted_ema),
                 left - 1,
             )
             if k > 0:
@@ -380,10 +381,14 @@ class Scheduler:
         """MTP tokens to ask for after this stream's next token: as many as its next round could verify."""
         if not stream.mtp:
             return 0
-        decoding = sum(1 for s in self._active.values() if not s.prefilling) or 1
         limit = min(self.config.max_draft, self.config.mtp_draft)
-        k = draft_length(decoding, self.config.rows_per_group, limit, stream.accepted_ema)
+        k = draft_length(self._load(), self.config.rows_per_group, limit, stream.accepted_ema)
         return max(0, min(k, stream.request.params.max_tokens - len(stream.generated) - 2))
+
+    def _load(self) -> int:
+        """Streams whose rows compete for the groups: every admitted one (prefilling rows fill groups
+        as decode rows do) and every one waiting for admission."""
+        return len(self._active) + len(self._queue)
 
     # -- views ------------------------------------------------------------------------------------
 
