@@ -27,7 +27,7 @@ def test_conv_taps_read_history_then_rows_of_the_same_step():
 
 
 def test_sliding_keys_stop_at_the_window_and_global_keys_do_not():
-    plan = plan_step([Segment("a", 10, 2)], kernel=4, windows=[4, None], band_quantum=1)
+    plan = plan_step([Segment("a", 10, 2)], kernel=4, windows=[4, None])
     sliding, full = plan.keys[4], plan.keys[None]
     # slot 0 is the far region's padding; with no band given every cached key is in the band
     assert sliding.past_positions.tolist() == [[-1, 7, 8, 9]]
@@ -41,7 +41,7 @@ def test_sliding_keys_stop_at_the_window_and_global_keys_do_not():
 
 
 def test_padding_slots_are_masked():
-    plan = plan_step([Segment("a", 0, 1), Segment("b", 3, 1)], kernel=2, windows=[None], band_quantum=1)
+    plan = plan_step([Segment("a", 0, 1), Segment("b", 3, 1)], kernel=2, windows=[None])
     keys = plan.keys[None]
     assert keys.past_positions.tolist() == [[-1, -1, -1, -1], [-1, 0, 1, 2]]
     assert np.isfinite(keys.key_mask).tolist() == [[False, False, False, True], [True, True, True, True]]
@@ -75,27 +75,23 @@ def test_global_keys_beyond_the_bias_band_go_to_the_far_region():
     assert (nearest_far >= 3).all()  # the bias extent is band + 1
 
 
+def test_with_no_bias_band_every_cached_key_is_far_and_the_band_is_the_step_itself():
+    """Llama's layers: cached keys are read as cache blocks under a per-stream mask; the band is the
+    step's own rows, so the per-row tables stay [T, W] however long the history grows."""
+    keys = plan_step([Segment("a", 10, 2)], kernel=4, windows=[None], global_band=0, far_block=4).keys[None]
+    assert keys.past_positions.tolist() == [[-1]]
+    assert keys.far_keys.tolist() == [10] and keys.far_blocks == 3
+    assert keys.far_mask is not None
+    assert np.isfinite(keys.far_mask).tolist() == [[True] * 10 + [False] * 2]
+    assert np.isfinite(keys.key_mask).tolist() == [[True, False], [True, True]]
+    fresh = plan_step([Segment("a", 0, 1)], kernel=4, windows=[None], global_band=0, far_block=4).keys[None]
+    assert fresh.far_blocks == 1 and not np.isfinite(fresh.far_mask).any()
+
+
 def test_without_a_far_region_every_cached_key_is_in_the_band():
-    keys = plan_step([Segment("a", 10, 1)], kernel=4, windows=[None], band_quantum=1).keys[None]
+    keys = plan_step([Segment("a", 10, 1)], kernel=4, windows=[None]).keys[None]
     assert keys.past_positions.tolist() == [[-1, *range(10)]]
     assert keys.far_blocks == 0 and keys.far_mask is None
-
-
-def test_an_unbounded_band_grows_in_quanta_of_masked_slots():
-    """Decode steps from 9 to 16 cached keys share one band shape; the padding is masked."""
-    widths = set()
-    for start in range(9, 17):
-        keys = plan_step([Segment("a", start, 1)], kernel=4, windows=[None], band_quantum=8).keys[None]
-        widths.add(keys.past_positions.shape[1])
-        assert np.isfinite(keys.key_mask).sum() == start + 1
-    assert widths == {1 + 16}
-    keys = plan_step([Segment("a", 10, 1)], kernel=4, windows=[None], band_quantum=8).keys[None]
-    assert keys.past_positions.tolist() == [[-1] * 7 + list(range(10))]
-    grown = plan_step([Segment("a", 17, 1)], kernel=4, windows=[None], band_quantum=8).keys[None]
-    assert grown.past_positions.shape == (1, 1 + 24)
-    # a sliding window's band is bounded already and is not padded
-    sliding = plan_step([Segment("a", 10, 1)], kernel=4, windows=[4], band_quantum=8).keys[4]
-    assert sliding.past_positions.tolist() == [[-1, 7, 8, 9]]
 
 
 @pytest.mark.parametrize(

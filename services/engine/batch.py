@@ -15,10 +15,6 @@ import numpy as np
 from cascadia.engine.state import KV_BLOCK
 
 NEG_INF = np.float32(-np.inf)
-# an unbounded band (every cached key, as Llama's layers read them) is padded to a multiple of this
-# many slots, so its shape changes once in so many decode steps: each new input shape costs the
-# plugin a shape-inference pass over the whole graph
-BAND_QUANTUM = 64
 
 
 @dataclass(frozen=True)
@@ -72,13 +68,12 @@ def plan_step(
     windows: Sequence[int | None],
     global_band: int | None = None,
     far_block: int = KV_BLOCK,
-    band_quantum: int = BAND_QUANTUM,
 ) -> StepPlan:
     """Index tables for a step over `segments` with conv kernel `kernel` and the given attention windows.
 
     `global_band`: cached keys nearer than this may carry a row-dependent bias on global layers (the
     relative extent - 1; 0 with no bias); farther ones go to the far region, read in cache blocks of
-    `far_block` positions. None keeps every cached key in the band, in a multiple of `band_quantum` slots.
+    `far_block` positions. None keeps every cached key in the band.
     """
     if not segments:
         raise ValueError("a step needs at least one segment")
@@ -116,7 +111,6 @@ def plan_step(
             window,
             global_band if window is None else None,
             far_block,
-            band_quantum if window is None and global_band is None else 1,
         )
         for window in set(windows)
     }
@@ -145,12 +139,10 @@ def _key_plan(
     window: int | None,
     band: int | None,
     block: int,
-    quantum: int,
 ) -> KeyPlan:
     first = np.zeros_like(starts) if window is None else np.maximum(0, starts - (window - 1))
     counts = starts - first
     near_slots = int(counts.max()) if band is None else min(band, int(counts.max()))
-    near_slots = -(-near_slots // quantum) * quantum
     near = np.minimum(counts, near_slots)
     far = counts - near
     # slot 0 is always padding; the near keys are right-aligned, so a band slot means the same

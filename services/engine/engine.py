@@ -243,10 +243,10 @@ class StageEngine:
             self._head = core.compile_model(model, settings.device, residual_cfg).create_infer_request()
             tick("head")
         self._windows = tuple(layer.attention.window for layer in self._layers)
-        # cached keys nearer than this may carry a relative bias on global layers; farther ones go to a
-        # block with no per-row tables. Llama's graphs keep one block (every cached key in the band).
+        # cached keys nearer than this may carry a relative bias on global layers; farther ones are read
+        # in place from the cache's blocks with no per-row tables. Llama has no bias: every cached key is far.
         extents = [layer.attention.rel_extent for layer in self._layers if layer.attention.window is None]
-        self._global_band = None if self.shape.family == "llama" else max(extents, default=1) - 1
+        self._global_band = 0 if self.shape.family == "llama" else max(extents, default=1) - 1
         self._has_global = any(w is None for w in self._windows)
         self._streams: dict[Hashable, StreamState] = {}
 
@@ -411,11 +411,15 @@ class StageEngine:
             "cell_rows": plan.cell_rows,
             "row_cells": plan.row_cells,
             "key_mask": keys_plan.key_mask,
+            "far_mask": keys_plan.far_mask,
             "query_position": plan.row_position.astype(np.float32),
         }
         for li in range(len(self._layers)):
-            inputs.update(_cached_inputs(f"past_k_{li}", [st.layers[li].keys for st in states], past))
-            inputs.update(_cached_inputs(f"past_v_{li}", [st.layers[li].values for st in states], past))
+            keys, values = [st.layers[li].keys for st in states], [st.layers[li].values for st in states]
+            inputs.update(_cached_inputs(f"past_k_{li}", keys, past))
+            inputs.update(_cached_inputs(f"past_v_{li}", values, past))
+            inputs.update(_far_inputs(f"far_k_{li}", keys, keys_plan))
+            inputs.update(_far_inputs(f"far_v_{li}", values, keys_plan))
         layers = range(len(self._layers))
         wanted = ["hidden_out", *(f"new_{kv}_{li}" for li in layers for kv in "kv")]
         if trace is not None:

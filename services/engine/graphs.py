@@ -85,11 +85,17 @@ class FarKeys:
     block: int
 
 
-def far_inputs(kv_heads: int, head_dim: int, block: int, kv_type: str = "f32") -> tuple[list[ov.Node], FarKeys]:
-    k_params, far_k = cached_rows("far_k", [-1, -1, kv_heads, block, head_dim], kv_type)
-    v_params, far_v = cached_rows("far_v", [-1, -1, kv_heads, block, head_dim], kv_type)
-    far_mask = _param("far_mask", [-1, -1])
-    return [*k_params, *v_params, far_mask], FarKeys(far_k, far_v, far_mask, block)
+def far_inputs(
+    kv_heads: int, head_dim: int, block: int, kv_type: str = "f32", suffix: str = "", mask: Node | None = None
+) -> tuple[list[ov.Node], FarKeys]:
+    """Inputs `far_k{suffix}`, `far_v{suffix}` and (unless a shared `mask` is given) `far_mask`."""
+    k_params, far_k = cached_rows(f"far_k{suffix}", [-1, -1, kv_heads, block, head_dim], kv_type)
+    v_params, far_v = cached_rows(f"far_v{suffix}", [-1, -1, kv_heads, block, head_dim], kv_type)
+    params = [*k_params, *v_params]
+    if mask is None:
+        mask = _param("far_mask", [-1, -1])
+        params.append(mask)
+    return params, FarKeys(far_k, far_v, mask, block)
 
 
 def segment_attention(

@@ -1,7 +1,9 @@
 """OpenVINO graph for one Llama-family decoder layer, batched over many streams like Inkling's.
 
 Same inputs and index tables as `graphs.attention_graph` (see its shape legend), plus each row's
-absolute position for the rotary embedding. Keys are cached after rotation. The FFN is `graphs`'
+absolute position for the rotary embedding. Keys are cached after rotation. With no position bias,
+every cached key is in the far region (read in place from the cache's blocks under one mask per
+stream) and the band holds only this step's rows. The FFN is `graphs`'
 dense bank: all-active expert slices with unit weights, or plain matmuls (`EngineSettings.dense_ffn`).
 """
 
@@ -15,7 +17,19 @@ import openvino as ov
 import openvino.opset16 as ops
 
 from cascadia.engine import graphs
-from cascadia.engine.graphs import _f32, _i64, _named, _param, cached_rows, linear, rms_norm, segment_attention
+from cascadia.engine.graphs import (
+    FarKeys,
+    _f32,
+    _i64,
+    _named,
+    _param,
+    cached_rows,
+    far_inputs,
+    linear,
+    rms_norm,
+    segment_attention,
+)
+from cascadia.engine.state import KV_BLOCK
 from cascadia.engine.weights import WeightFormat
 from cascadia.model.config import ModelShape
 from cascadia.model.llama import LlamaLayerWeights
@@ -39,11 +53,12 @@ def rotate(x: Node, cos: Node, sin: Node, head_dim: int) -> Node:
 
 @dataclass(frozen=True)
 class _Shared:
-    """Per-step inputs every layer of a stage reads: the row layout, the key mask and each row's rotary angles."""
+    """Per-step inputs every layer of a stage reads: the row layout, the key masks and each row's rotary angles."""
 
     cell_rows: Node
     row_cells: Node
     key_mask: Node
+    far_mask: Node
     cos: Node
     sin: Node
 
@@ -53,11 +68,12 @@ def _shared_inputs(shape: ModelShape) -> tuple[list[Node], _Shared]:
     cell_rows = _param("cell_rows", [-1], "i32")
     row_cells = _param("row_cells", [-1], "i32")
     key_mask = _param("key_mask", [-1, -1])
+    far_mask = _param("far_mask", [-1, -1])
     position = _param("query_position", [-1])
     angles = ops.multiply(ops.unsqueeze(position, _i64(1)), _f32(inverse_frequencies(d, shape.rope_theta)[None, :]))
     angles = ops.unsqueeze(ops.concat([angles, angles], -1), _i64(1))  # [T, 1, D]
-    shared = _Shared(cell_rows, row_cells, key_mask, ops.cos(angles), ops.sin(angles))
-    return [cell_rows, row_cells, key_mask, position], shared
+    shared = _Shared(cell_rows, row_cells, key_mask, far_mask, ops.cos(angles), ops.sin(angles))
+    return [cell_rows, row_cells, key_mask, far_mask, position], shared
 
 
 def _layer(
@@ -67,6 +83,7 @@ def _layer(
     shared: _Shared,
     past_k: Node,
     past_v: Node,
+    far: FarKeys,
     attention_fmt: WeightFormat,
     expert_fmt: WeightFormat | None,
     dense_ffn: str = "experts",
@@ -86,7 +103,7 @@ def _layer(
 
     context = segment_attention(
         q, keys_new, v, past_k, past_v, shared.cell_rows, shared.row_cells, shared.key_mask,
-        a.num_kv_heads, d, 1.0 / np.sqrt(d),
+        a.num_kv_heads, d, 1.0 / np.sqrt(d), far=far,
     )  # fmt: skip
     residual = ops.add(hidden, linear(context, layer.o_proj, attention_fmt, f"l{i}.o"))
     mlp_input = rms_norm(residual, layer.post_attention_norm, eps)
@@ -117,12 +134,13 @@ def layer_graph(
     k_params, past_k = cached_rows("past_k", [-1, -1, a.num_kv_heads, a.head_dim], kv_type)
     v_params, past_v = cached_rows("past_v", [-1, -1, a.num_kv_heads, a.head_dim], kv_type)
     shared_params, shared = _shared_inputs(shape)
-    keys, values, rest = _layer(shape, layer, hidden, shared, past_k, past_v, attention_fmt, expert_fmt, dense_ffn)
+    far_params, far = far_inputs(a.num_kv_heads, a.head_dim, KV_BLOCK, kv_type, mask=shared.far_mask)
+    keys, values, rest = _layer(shape, layer, hidden, shared, past_k, past_v, far, attention_fmt, expert_fmt, dense_ffn)
     names = ["hidden_out"] if expert_fmt is not None else ["residual", "mlp_input", "expert_index", "expert_weight"]
     results = [_named(keys, "new_k"), _named(values, "new_v")] + [
         _named(n, m) for n, m in zip(rest, names, strict=True)
     ]
-    params = [hidden, *k_params, *v_params, *shared_params]
+    params = [hidden, *k_params, *v_params, *far_params, *shared_params]
     return ov.Model([ops.result(n) for n in results], params, f"layer{layer.index}_llama")
 
 
@@ -136,7 +154,7 @@ def stage_graph(
 ) -> ov.Model:
     """Every layer of a stage in one model: one call per step instead of one per layer.
 
-    Inputs: `hidden`, the shared tables, and `past_k_{n}` / `past_v_{n}` for the stage's n-th layer;
+    Inputs: `hidden`, the shared tables, and `past_k_{n}` / `past_v_{n}` / `far_k_{n}` / `far_v_{n}` for the n-th layer;
     outputs: `new_k_{n}`, `new_v_{n}`, each layer's output `layer_out_{n}` and `hidden_out`.
     """
     hidden = _param("hidden", [-1, shape.hidden_size])
@@ -147,8 +165,9 @@ def stage_graph(
         a = shape.layer_attention(layer.index)
         k_params, past_k = cached_rows(f"past_k_{n}", [-1, -1, a.num_kv_heads, a.head_dim], kv_type)
         v_params, past_v = cached_rows(f"past_v_{n}", [-1, -1, a.num_kv_heads, a.head_dim], kv_type)
-        params += [*k_params, *v_params]
-        keys, values, (x,) = _layer(shape, layer, x, shared, past_k, past_v, attention_fmt, expert_fmt, dense_ffn)
+        far_params, far = far_inputs(a.num_kv_heads, a.head_dim, KV_BLOCK, kv_type, f"_{n}", shared.far_mask)
+        params += [*k_params, *v_params, *far_params]
+        keys, values, (x,) = _layer(shape, layer, x, shared, past_k, past_v, far, attention_fmt, expert_fmt, dense_ffn)
         results += [_named(keys, f"new_k_{n}"), _named(values, f"new_v_{n}"), _named(x, f"layer_out_{n}")]
     results.append(_named(ops.convert(x, "f32"), "hidden_out"))
     return ov.Model([ops.result(n) for n in results], params, "stage_llama")
