@@ -112,6 +112,8 @@ class _Layer:
             self.attention.kind == "global" and shape.log_scaling_n_floor is not None
         )
         self.has_convs = shape.has_convs
+        # Llama has no relative bias, so every cached key is read from the far blocks: no cached band
+        self.has_cached_band = shape.family != "llama"
 
     def run(
         self, inputs: dict[str, np.ndarray], hist_m: np.ndarray | None, conv_index: np.ndarray
@@ -405,7 +407,6 @@ class StageEngine:
     ) -> np.ndarray:
         """Every layer in one call (Llama family): the key tables are shared, each layer has its own cache."""
         keys_plan = plan.keys[None]
-        past = keys_plan.past_positions
         inputs = {
             "hidden": hidden,
             "cell_rows": plan.cell_rows,
@@ -416,8 +417,6 @@ class StageEngine:
         }
         for li in range(len(self._layers)):
             keys, values = [st.layers[li].keys for st in states], [st.layers[li].values for st in states]
-            inputs.update(_cached_inputs(f"past_k_{li}", keys, past))
-            inputs.update(_cached_inputs(f"past_v_{li}", values, past))
             inputs.update(_far_inputs(f"far_k_{li}", keys, keys_plan))
             inputs.update(_far_inputs(f"far_v_{li}", values, keys_plan))
         layers = range(len(self._layers))
@@ -455,9 +454,10 @@ class StageEngine:
             "cell_rows": plan.cell_rows,
             "row_cells": plan.row_cells,
             "key_mask": keys_plan.key_mask,
-            **_cached_inputs("past_k", keys, past),
-            **_cached_inputs("past_v", values, past),
         }
+        if layer.has_cached_band:
+            inputs.update(_cached_inputs("past_k", keys, past))
+            inputs.update(_cached_inputs("past_v", values, past))
         if keys_plan.far_mask is not None:
             inputs["far_mask"] = keys_plan.far_mask
             inputs.update(_far_inputs("far_k", keys, keys_plan))

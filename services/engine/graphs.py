@@ -102,8 +102,8 @@ def segment_attention(
     q: Node,
     keys_new: Node,
     values_new: Node,
-    past_k: Node,
-    past_v: Node,
+    past_k: Node | None,
+    past_v: Node | None,
     cell_rows: Node,
     row_cells: Node,
     key_mask: Node,
@@ -125,10 +125,13 @@ def segment_attention(
     row maximum and the blocks are summed (an online softmax over tiles, parallel over streams, heads
     and blocks), so nothing of size [rows, history] other than the scores themselves is ever built.
     The rows are laid out as a [S, W] grid of cells, so every stream's keys are read once for all its
-    rows. Returns [T, Hq * D].
+    rows. With no cached band (`past_k`/`past_v` None: every cached key is far) the band is the
+    step's own rows. Returns [T, Hq * D].
     """
     groups = q.get_output_partial_shape(0)[1].get_length() // kv_heads
-    streams = ops.gather(ops.shape_of(as_f32(past_k), "i64"), _i64(0), _i64(0))
+    if past_k is None and far is None:
+        raise ValueError("attention needs a cached band, far blocks or both")
+    streams = ops.gather(ops.shape_of(past_k if past_k is not None else far.keys, "i64"), _i64(0), _i64(0))
 
     def cells(x: Node) -> Node:
         """Rows [T, ...] to cells [S, W, ...]."""
@@ -136,10 +139,12 @@ def segment_attention(
         rest = ops.slice(ops.shape_of(gathered, "i64"), _i64(1), _i64(2**31), _i64(1), _i64(0))
         return ops.reshape(gathered, ops.concat([streams, _i64(-1), rest], 0), False)
 
-    def band_of(cached: Node, new: Node) -> Node:
+    def band_of(cached: Node | None, new: Node) -> Node:
         """[S, 1 + Ln, Hkv, D] cached and [T, Hkv, D] new -> [S, Hkv, 1, Ln + W, D] (the padding slot dropped)."""
-        near = ops.slice(as_f32(cached), _i64(1), _i64(2**62), _i64(1), _i64(1))
-        return ops.unsqueeze(ops.transpose(ops.concat([near, cells(new)], 1), _i64(0, 2, 1, 3)), _i64(2))
+        rows = cells(new)
+        if cached is not None:
+            rows = ops.concat([ops.slice(as_f32(cached), _i64(1), _i64(2**62), _i64(1), _i64(1)), rows], 1)
+        return ops.unsqueeze(ops.transpose(rows, _i64(0, 2, 1, 3)), _i64(2))
 
     queries = ops.reshape(q, _i64(0, kv_heads, groups, head_dim), True)  # [T, Hkv, G, D]
     row_scale = _f32(scale)

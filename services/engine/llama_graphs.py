@@ -23,7 +23,6 @@ from cascadia.engine.graphs import (
     _i64,
     _named,
     _param,
-    cached_rows,
     far_inputs,
     linear,
     rms_norm,
@@ -81,8 +80,6 @@ def _layer(
     layer: LlamaLayerWeights,
     hidden: Node,
     shared: _Shared,
-    past_k: Node,
-    past_v: Node,
     far: FarKeys,
     attention_fmt: WeightFormat,
     expert_fmt: WeightFormat | None,
@@ -102,7 +99,7 @@ def _layer(
     keys_new = rotate(k, shared.cos, shared.sin, d)
 
     context = segment_attention(
-        q, keys_new, v, past_k, past_v, shared.cell_rows, shared.row_cells, shared.key_mask,
+        q, keys_new, v, None, None, shared.cell_rows, shared.row_cells, shared.key_mask,
         a.num_kv_heads, d, 1.0 / np.sqrt(d), far=far,
     )  # fmt: skip
     residual = ops.add(hidden, linear(context, layer.o_proj, attention_fmt, f"l{i}.o"))
@@ -131,16 +128,14 @@ def layer_graph(
     """
     a = shape.layer_attention(layer.index)
     hidden = _param("hidden", [-1, shape.hidden_size])
-    k_params, past_k = cached_rows("past_k", [-1, -1, a.num_kv_heads, a.head_dim], kv_type)
-    v_params, past_v = cached_rows("past_v", [-1, -1, a.num_kv_heads, a.head_dim], kv_type)
     shared_params, shared = _shared_inputs(shape)
     far_params, far = far_inputs(a.num_kv_heads, a.head_dim, KV_BLOCK, kv_type, mask=shared.far_mask)
-    keys, values, rest = _layer(shape, layer, hidden, shared, past_k, past_v, far, attention_fmt, expert_fmt, dense_ffn)
+    keys, values, rest = _layer(shape, layer, hidden, shared, far, attention_fmt, expert_fmt, dense_ffn)
     names = ["hidden_out"] if expert_fmt is not None else ["residual", "mlp_input", "expert_index", "expert_weight"]
     results = [_named(keys, "new_k"), _named(values, "new_v")] + [
         _named(n, m) for n, m in zip(rest, names, strict=True)
     ]
-    params = [hidden, *k_params, *v_params, *far_params, *shared_params]
+    params = [hidden, *far_params, *shared_params]
     return ov.Model([ops.result(n) for n in results], params, f"layer{layer.index}_llama")
 
 
@@ -154,7 +149,7 @@ def stage_graph(
 ) -> ov.Model:
     """Every layer of a stage in one model: one call per step instead of one per layer.
 
-    Inputs: `hidden`, the shared tables, and `past_k_{n}` / `past_v_{n}` / `far_k_{n}` / `far_v_{n}` for the n-th layer;
+    Inputs: `hidden`, the shared tables, and `far_k_{n}` / `far_v_{n}` (the cache's blocks) for the n-th layer;
     outputs: `new_k_{n}`, `new_v_{n}`, each layer's output `layer_out_{n}` and `hidden_out`.
     """
     hidden = _param("hidden", [-1, shape.hidden_size])
@@ -163,11 +158,9 @@ def stage_graph(
     x = hidden
     for n, layer in enumerate(layers):
         a = shape.layer_attention(layer.index)
-        k_params, past_k = cached_rows(f"past_k_{n}", [-1, -1, a.num_kv_heads, a.head_dim], kv_type)
-        v_params, past_v = cached_rows(f"past_v_{n}", [-1, -1, a.num_kv_heads, a.head_dim], kv_type)
         far_params, far = far_inputs(a.num_kv_heads, a.head_dim, KV_BLOCK, kv_type, f"_{n}", shared.far_mask)
-        params += [*k_params, *v_params, *far_params]
-        keys, values, (x,) = _layer(shape, layer, x, shared, past_k, past_v, far, attention_fmt, expert_fmt, dense_ffn)
+        params += far_params
+        keys, values, (x,) = _layer(shape, layer, x, shared, far, attention_fmt, expert_fmt, dense_ffn)
         results += [_named(keys, f"new_k_{n}"), _named(values, f"new_v_{n}"), _named(x, f"layer_out_{n}")]
     results.append(_named(ops.convert(x, "f32"), "hidden_out"))
     return ov.Model([ops.result(n) for n in results], params, "stage_llama")
