@@ -62,6 +62,19 @@ class StepPlan:
         return int(self.row_stream.shape[0])
 
 
+def check_segments(segments: Sequence[Segment]) -> None:
+    """A step has at least one segment, none empty, and at most one per stream."""
+    if not segments:
+        raise ValueError("a step needs at least one segment")
+    seen: set[Hashable] = set()
+    for seg in segments:
+        if seg.length < 1 or seg.start < 0:
+            raise ValueError(f"stream {seg.stream!r}: segment start {seg.start} length {seg.length} is empty")
+        if seg.stream in seen:
+            raise ValueError(f"stream {seg.stream!r} appears twice in one step")
+        seen.add(seg.stream)
+
+
 def plan_step(
     segments: Sequence[Segment],
     kernel: int,
@@ -75,15 +88,7 @@ def plan_step(
     relative extent - 1; 0 with no bias); farther ones go to the far region, read in cache blocks of
     `far_block` positions. None keeps every cached key in the band.
     """
-    if not segments:
-        raise ValueError("a step needs at least one segment")
-    seen: set[Hashable] = set()
-    for seg in segments:
-        if seg.length < 1 or seg.start < 0:
-            raise ValueError(f"stream {seg.stream!r}: segment start {seg.start} length {seg.length} is empty")
-        if seg.stream in seen:
-            raise ValueError(f"stream {seg.stream!r} appears twice in one step")
-        seen.add(seg.stream)
+    check_segments(segments)
     lengths = np.array([s.length for s in segments], dtype=np.int64)
     starts = np.array([s.start for s in segments], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])

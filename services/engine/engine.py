@@ -16,8 +16,9 @@ import numpy as np
 import openvino as ov
 
 from cascadia.engine import graphs, llama_graphs
-from cascadia.engine.batch import KeyPlan, Segment, StepPlan, plan_step
+from cascadia.engine.batch import KeyPlan, Segment, StepPlan, check_segments, plan_step
 from cascadia.engine.kv_quant import STORAGE, bytes_per_element
+from cascadia.engine.paged import BlockPool, PagedTables, blocks_for, paged_tables
 from cascadia.engine.settings import EngineSettings
 from cascadia.engine.state import BudgetExceeded, GrowingRows, LayerState, RingRows, Rows, StreamState
 from cascadia.model.checkpoint import LayerWeights, StageWeights
@@ -47,6 +48,9 @@ def _compile_config(settings: EngineSettings, compute: str) -> dict[str, str]:
     config = {"INFERENCE_PRECISION_HINT": compute, "PERFORMANCE_HINT": "LATENCY"}
     if settings.device.upper().startswith("CPU"):
         config["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = str(settings.activation_quant_group)
+        if settings.paged_attention:
+            # the plugin gives PagedAttention's pools this precision (u8 by default on this CPU)
+            config["KEY_CACHE_PRECISION"] = config["VALUE_CACHE_PRECISION"] = settings.kv_precision
     if settings.threads:
         config["INFERENCE_NUM_THREADS"] = str(settings.threads)
     return config
@@ -221,9 +225,12 @@ class StageEngine:
             tick("embedding")
         self._layers: list[_Layer | _LayerInfo] = []
         self._stage_model = self._stage_request = None
+        self._pool: BlockPool | None = None
+        self._bound_pool = -1  # the pool generation whose arrays the stage request holds
         if self.shape.family == "llama" and not settings.split_expert_graph:
             # small dense layers: one compiled model for the whole range, so a step is one call
-            model = llama_graphs.stage_graph(
+            build = llama_graphs.paged_stage_graph if settings.paged_attention else llama_graphs.stage_graph
+            model = build(
                 self.shape,
                 weights.layers,
                 settings.attention_weights,
@@ -233,6 +240,10 @@ class StageEngine:
             )
             self._stage_model = core.compile_model(model, settings.device, residual_cfg)
             self._stage_request = self._stage_model.create_infer_request()
+            if settings.paged_attention:
+                a = self.shape.layer_attention(weights.layers[0].index)
+                kv = STORAGE[settings.kv_precision]
+                self._pool = BlockPool(len(weights.layers), a.num_kv_heads, a.head_dim, kv)
             for layer in weights.layers:
                 self._layers.append(_LayerInfo(layer.index, self.shape.layer_attention(layer.index)))
                 tick(f"layer {layer.index}")
@@ -283,6 +294,9 @@ class StageEngine:
                 f"stream {stream!r}: context {context} exceeds this engine's budget of {self.settings.context}"
             )
         slack, kernel = self.settings.rewind_slack, self.shape.conv_kernel_size
+        if self._pool is not None:
+            self._streams[stream] = StreamState([], 0, slack, context=context)
+            return
         kv = STORAGE[self.settings.kv_precision]
         layers = []
         for layer in self._layers:
@@ -301,8 +315,11 @@ class StageEngine:
         self._streams[stream] = StreamState(layers, 0, slack)
 
     def close(self, stream: Hashable) -> None:
-        if self._streams.pop(stream, None) is None:
+        state = self._streams.pop(stream, None)
+        if state is None:
             raise StreamError(f"stream {stream!r} is not open")
+        if self._pool is not None:
+            self._pool.release(state.blocks)
 
     def rewind(self, stream: Hashable, position: int) -> None:
         self._stream(stream).rewind(position)
@@ -320,7 +337,10 @@ class StageEngine:
         )
 
     def stream_bytes(self, stream: Hashable) -> int:
-        return self._stream(stream).nbytes
+        state = self._stream(stream)
+        if self._pool is not None:
+            return len(state.blocks) * self._pool.block_bytes
+        return state.nbytes
 
     @property
     def streams(self) -> list[Hashable]:
@@ -358,8 +378,14 @@ class StageEngine:
                     f"stream {seg.stream!r}: {seg.start + seg.length} positions exceed its context budget "
                     f"of {self._global_limit(state)}"
                 )
-        plan = plan_step(segments, max(1, self.shape.conv_kernel_size), self._windows, self._global_band)
-        rows = plan.rows
+        plan: StepPlan | PagedTables
+        if self._pool is not None:
+            self._reserve_blocks(segments, states)
+            plan = paged_tables(segments, [state.blocks for state in states])
+            rows = len(plan.row_position)
+        else:
+            plan = plan_step(segments, max(1, self.shape.conv_kernel_size), self._windows, self._global_band)
+            rows = plan.rows
         if self.is_first:
             ids = np.asarray(inputs)
             if ids.shape != (rows,) or not np.issubdtype(ids.dtype, np.integer):
@@ -378,7 +404,9 @@ class StageEngine:
                 for rows_store in (layer_state.keys, layer_state.values):
                     if isinstance(rows_store, GrowingRows):
                         rows_store.reserve(state.position + max(s.length for s in segments))
-        if self._stage_request is not None:
+        if isinstance(plan, PagedTables):
+            hidden = self._run_paged_stage(plan, hidden, trace)
+        elif self._stage_request is not None:
             hidden = self._run_stage(plan, states, hidden, trace)
         else:
             for li, layer in enumerate(self._layers):
@@ -400,7 +428,37 @@ class StageEngine:
         return _infer(self._head, {"hidden": np.ascontiguousarray(final_states, dtype=np.float32)})["logits"]
 
     def _global_limit(self, state: StreamState) -> int:
+        if self._pool is not None:
+            return state.context
         return next(layer.keys.limit for layer in state.layers if isinstance(layer.keys, GrowingRows))
+
+    def _reserve_blocks(self, segments: Sequence[Segment], states: list[StreamState]) -> None:
+        """Give each stream the pool blocks its rows will be written to (all or none on failure)."""
+        assert self._pool is not None
+        check_segments(segments)
+        pairs = zip(segments, states, strict=True)
+        wanted = [max(0, blocks_for(seg.start + seg.length) - len(state.blocks)) for seg, state in pairs]
+        fresh = self._pool.allocate(sum(wanted))
+        for state, count in zip(states, wanted, strict=True):
+            state.blocks.extend(fresh[:count])
+            del fresh[:count]
+
+    def _run_paged_stage(self, tables: PagedTables, hidden: np.ndarray, trace: list[np.ndarray] | None) -> np.ndarray:
+        """Every layer in one call, PagedAttention writing the step's keys and values into the pool."""
+        assert self._pool is not None and self._stage_request is not None
+        if self._bound_pool != self._pool.generation:
+            for n, (keys, values) in enumerate(zip(self._pool.keys, self._pool.values, strict=True)):
+                self._stage_request.set_tensor(f"key_cache_{n}", ov.Tensor(keys, shared_memory=True))
+                self._stage_request.set_tensor(f"value_cache_{n}", ov.Tensor(values, shared_memory=True))
+            self._bound_pool = self._pool.generation
+        inputs = {"hidden": hidden, "query_position": tables.row_position.astype(np.float32), **tables.as_inputs()}
+        wanted = ["hidden_out"]
+        if trace is not None:
+            wanted += [f"layer_out_{li}" for li in range(len(self._layers))]
+        out = _infer(self._stage_request, inputs, wanted)
+        if trace is not None:
+            trace.extend(out[f"layer_out_{li}"] for li in range(len(self._layers)))
+        return out["hidden_out"]
 
     def _run_stage(
         self, plan: StepPlan, states: list[StreamState], hidden: np.ndarray, trace: list[np.ndarray] | None

@@ -5,6 +5,10 @@ absolute position for the rotary embedding. Keys are cached after rotation. With
 every cached key is in the far region (read in place from the cache's blocks under one mask per
 stream) and the band holds only this step's rows. The FFN is `graphs`'
 dense bank: all-active expert slices with unit weights, or plain matmuls (`EngineSettings.dense_ffn`).
+
+A stage can instead attend through OpenVINO's PagedAttention op (`paged_stage_graph`): the plugin
+writes each step's keys and values into per-layer block pools the engine binds once, and reads each
+stream's history through its block table (`paged.paged_tables`), one fused node per layer.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import openvino as ov
 import openvino.opset16 as ops
+from openvino._pyopenvino.op import _PagedAttentionExtension
 
 from cascadia.engine import graphs
 from cascadia.engine.graphs import (
@@ -28,6 +33,7 @@ from cascadia.engine.graphs import (
     rms_norm,
     segment_attention,
 )
+from cascadia.engine.paged import PAGE
 from cascadia.engine.state import KV_BLOCK
 from cascadia.engine.weights import WeightFormat
 from cascadia.model.config import ModelShape
@@ -80,7 +86,7 @@ def _layer(
     layer: LlamaLayerWeights,
     hidden: Node,
     shared: _Shared,
-    far: FarKeys,
+    far: FarKeys | PagedInputs,
     attention_fmt: WeightFormat,
     expert_fmt: WeightFormat | None,
     dense_ffn: str = "experts",
@@ -98,10 +104,13 @@ def _layer(
     q = rotate(q, shared.cos, shared.sin, d)
     keys_new = rotate(k, shared.cos, shared.sin, d)
 
-    context = segment_attention(
-        q, keys_new, v, None, None, shared.cell_rows, shared.row_cells, shared.key_mask,
-        a.num_kv_heads, d, 1.0 / np.sqrt(d), far=far,
-    )  # fmt: skip
+    if isinstance(far, PagedInputs):
+        context = far.attend(q, keys_new, v, a.num_heads, a.num_kv_heads, d)
+    else:
+        context = segment_attention(
+            q, keys_new, v, None, None, shared.cell_rows, shared.row_cells, shared.key_mask,
+            a.num_kv_heads, d, 1.0 / np.sqrt(d), far=far,
+        )  # fmt: skip
     residual = ops.add(hidden, linear(context, layer.o_proj, attention_fmt, f"l{i}.o"))
     mlp_input = rms_norm(residual, layer.post_attention_norm, eps)
 
@@ -164,3 +173,92 @@ def stage_graph(
         results += [_named(keys, f"new_k_{n}"), _named(values, f"new_v_{n}"), _named(x, f"layer_out_{n}")]
     results.append(_named(ops.convert(x, "f32"), "hidden_out"))
     return ov.Model([ops.result(n) for n in results], params, "stage_llama")
+
+
+PAGED_TABLES = ("past_lens", "subsequence_begins", "block_indices", "block_indices_begins")
+
+
+@dataclass(frozen=True)
+class PagedInputs:
+    """One layer's block pools and the step's sequence tables (shared by every layer)."""
+
+    key_cache: Node
+    value_cache: Node
+    tables: tuple[Node, ...]  # PAGED_TABLES, in the op's order
+    max_context_len: Node
+
+    def attend(self, q: Node, k: Node, v: Node, heads: int, kv_heads: int, head_dim: int) -> Node:
+        """Causal attention of each row over its stream's cached positions and its segment's earlier rows.
+
+        q [T, heads, D], k and v [T, kv_heads, D] (rotated); returns [T, heads * D]. The op also
+        stores k and v into the pools at each row's position.
+        """
+        flat = [ops.reshape(x, _i64(0, n * head_dim), True) for x, n in ((q, heads), (k, kv_heads), (v, kv_heads))]
+        unused = _unused_paged_inputs()
+        scale = _f32(1.0 / np.sqrt(head_dim))
+        inputs = [*flat, self.key_cache, self.value_cache, *self.tables, scale, *unused[:2], self.max_context_len]
+        op = _PagedAttentionExtension([node.output(0) for node in [*inputs, *unused[2:]]])
+        info = op.get_rt_info()
+        info["num_k_heads"], info["k_head_size"] = kv_heads, head_dim
+        info["num_v_heads"], info["v_head_size"] = kv_heads, head_dim
+        return op.output(0)
+
+
+def _unused_paged_inputs() -> list[Node]:
+    """The op's optional inputs, switched off (inputs 10, 11 and 13..27 of PagedAttentionExtension):
+    no sliding window, no ALiBi, no score output, no cache rotation, no sparse (xattention) prefill,
+    no sinks, no adaptive eviction, no token types, no query bias."""
+    i32, f32 = np.int32, np.float32
+    none_i32, none_f32 = np.zeros(0, i32), np.zeros(0, f32)
+    values = [
+        np.array(0, i32),  # sliding window
+        none_f32,  # alibi slopes
+        none_i32,  # score aggregation window
+        none_i32,  # rotated block indices
+        none_i32,  # rotation deltas
+        none_f32,  # rotation trig table
+        none_f32,  # xattention threshold
+        np.array(0, i32),  # xattention block size
+        np.array(0, i32),  # xattention stride
+        np.zeros((0, 0, 0, 0), f32),  # sinks
+        np.array(0, i32),  # adaptive eviction start
+        none_i32,  # adaptive eviction sizes
+        none_i32,  # adaptive eviction block sets
+        none_i32,  # their begins
+        none_i32,  # token types
+        np.zeros(0, np.uint8),  # query bias
+        none_i32,  # query bias begins
+    ]
+    return [ops.constant(v) for v in values]
+
+
+def paged_stage_graph(
+    shape: ModelShape,
+    layers: Sequence[LlamaLayerWeights],
+    attention_fmt: WeightFormat,
+    expert_fmt: WeightFormat,
+    dense_ffn: str = "experts",
+    kv_type: str = "f32",
+) -> ov.Model:
+    """Every layer of a stage in one model, attending through PagedAttention over block pools.
+
+    Inputs: `hidden`, `query_position`, the sequence tables (`paged.PagedTables.as_inputs`) and each
+    layer's pools `key_cache_{n}` / `value_cache_{n}` [blocks, kv_heads, PAGE, D], which the op
+    updates in place; outputs: each layer's output `layer_out_{n}` and `hidden_out`.
+    """
+    hidden = _param("hidden", [-1, shape.hidden_size])
+    shared_params, shared = _shared_inputs(shape)
+    position = shared_params[-1]
+    tables = tuple(_param(name, [-1], "i32") for name in PAGED_TABLES)
+    max_context_len = _param("max_context_len", [], "i32")
+    params, results = [hidden, position, *tables, max_context_len], []
+    x = hidden
+    for n, layer in enumerate(layers):
+        a = shape.layer_attention(layer.index)
+        pools = [_param(f"{kv}_cache_{n}", [-1, a.num_kv_heads, PAGE, a.head_dim], kv_type) for kv in ("key", "value")]
+        params += pools
+        paged = PagedInputs(pools[0], pools[1], tables, max_context_len)
+        _, _, (x,) = _layer(shape, layer, x, shared, paged, attention_fmt, expert_fmt, dense_ffn)
+        results.append(_named(x, f"layer_out_{n}"))
+    results.append(_named(ops.convert(x, "f32"), "hidden_out"))
+    return ov.Model([ops.result(n) for n in results], params, "stage_llama_paged")

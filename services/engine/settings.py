@@ -11,6 +11,8 @@ Compute = Literal["f32", "bf16", "f16"]
 KvPrecision = Literal["f32", "f16", "u8"]
 DenseFfn = Literal["auto", "experts", "matmul"]
 DENSE_FFNS: tuple[DenseFfn, ...] = ("auto", "experts", "matmul")
+LlamaAttention = Literal["auto", "paged", "blocks"]
+LLAMA_ATTENTIONS: tuple[LlamaAttention, ...] = ("auto", "paged", "blocks")
 KV_PRECISIONS: tuple[KvPrecision, ...] = ("f32", "f16", "u8")
 COMPUTE_PRECISIONS: tuple[Compute, ...] = ("f32", "bf16", "f16")
 PRECISION_PRESETS = ("f32", "bf16", "f16", "int8", "int4")
@@ -40,6 +42,9 @@ class EngineSettings:
     # keys and values as the streams keep them; f16 halves KV memory for long contexts, u8 (a scale
     # and an offset per row and head) takes a little over a quarter
     kv_precision: KvPrecision = "f32"
+    # Llama-family stages: "paged" attends through OpenVINO's PagedAttention op over block pools the
+    # plugin writes in place; "blocks" through our own graph over the cache's blocks; "auto" per device
+    llama_attention: LlamaAttention = "auto"
 
     def __post_init__(self) -> None:
         for name in ("expert_weights", "attention_weights", "head_weights"):
@@ -54,6 +59,10 @@ class EngineSettings:
             raise ValueError(f"kv_precision '{self.kv_precision}' is not one of {', '.join(KV_PRECISIONS)}")
         if self.dense_ffn not in DENSE_FFNS:
             raise ValueError(f"dense_ffn '{self.dense_ffn}' is not one of {', '.join(DENSE_FFNS)}")
+        if self.llama_attention not in LLAMA_ATTENTIONS:
+            raise ValueError(f"llama_attention '{self.llama_attention}' is not one of {', '.join(LLAMA_ATTENTIONS)}")
+        if self.llama_attention == "paged" and self.kv_precision == "u8":
+            raise ValueError("paged attention keeps keys and values in f32 or f16; u8 needs llama_attention 'blocks'")
         if self.rewind_slack < 0:
             raise ValueError(f"rewind_slack must be >= 0, got {self.rewind_slack}")
 
@@ -68,6 +77,19 @@ class EngineSettings:
         if self.dense_ffn != "auto":
             return self.dense_ffn
         return "experts" if self.device.upper().startswith("GPU") else "matmul"
+
+    @property
+    def paged_attention(self) -> bool:
+        """Whether Llama-family stages attend through PagedAttention.
+
+        On the CPU the op's kernel (blocks of 32 positions, [blocks, heads, 32, D] pools) replaces about
+        forty nodes per layer and the per-step cache inputs and outputs. The iGPU plugin's op wants
+        another pool layout and block size, not built here, so "auto" keeps our block graph there,
+        and u8 keys and values (our row format, not the plugin's) keep it too.
+        """
+        if self.llama_attention != "auto":
+            return self.llama_attention == "paged"
+        return self.device.upper().startswith("CPU") and self.kv_precision != "u8"
 
     @property
     def split_expert_graph(self) -> bool:

@@ -156,7 +156,9 @@ class StreamState:
     layers: list[LayerState]
     position: int = 0  # positions fed so far
     slack: int = 0
-    limits: list[str] = field(default_factory=list)
+    # paged stages keep no per-layer rows here: the stream's blocks in the stage's pool, and its budget
+    blocks: list[int] = field(default_factory=list)
+    context: int = 0
 
     @property
     def nbytes(self) -> int:
