@@ -32,6 +32,10 @@ PROMPTS = {
 }
 
 
+# PagedAttention (the CPU's default) and our own block graph (the iGPU's), both against the oracle
+ATTENTIONS = pytest.mark.parametrize("attention", ["paged", "blocks"])
+
+
 # -- block formats (pure) ---------------------------------------------------------------------------
 
 
@@ -147,9 +151,10 @@ def _oracle(path: Path):
     return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def test_tiny_llama_matches_transformers_layer_by_layer(tiny_llama):
+@ATTENTIONS
+def test_tiny_llama_matches_transformers_layer_by_layer(tiny_llama, attention):
     shape = load_shape(tiny_llama)
-    engine = StageEngine(load_stage(tiny_llama, 0, shape.num_layers), EngineSettings())
+    engine = StageEngine(load_stage(tiny_llama, 0, shape.num_layers), EngineSettings(llama_attention=attention))
     ids = np.random.default_rng(4).integers(3, 300, size=40)
     trace: list[np.ndarray] = []
     engine.open("s")
@@ -168,9 +173,10 @@ def test_tiny_llama_matches_transformers_layer_by_layer(tiny_llama):
     np.testing.assert_array_equal(logits.argmax(-1), ref_logits.argmax(-1))
 
 
-def test_tiny_llama_greedy_ids_match_transformers(tiny_llama):
+@ATTENTIONS
+def test_tiny_llama_greedy_ids_match_transformers(tiny_llama, attention):
     shape = load_shape(tiny_llama)
-    engine = StageEngine(load_stage(tiny_llama, 0, shape.num_layers), EngineSettings())
+    engine = StageEngine(load_stage(tiny_llama, 0, shape.num_layers), EngineSettings(llama_attention=attention))
     prompt = [5, 17, 250, 3, 99, 42]
     ours = generate(engine, prompt, SamplingParams(max_tokens=40), prefill_window=4).token_ids
     with torch.no_grad():
@@ -180,9 +186,10 @@ def test_tiny_llama_greedy_ids_match_transformers(tiny_llama):
     assert ours == theirs[0, len(prompt) :].tolist()
 
 
-def test_tiny_llama_streams_batched_equal_streams_alone(tiny_llama):
+@ATTENTIONS
+def test_tiny_llama_streams_batched_equal_streams_alone(tiny_llama, attention):
     shape = load_shape(tiny_llama)
-    engine = StageEngine(load_stage(tiny_llama, 0, shape.num_layers), EngineSettings())
+    engine = StageEngine(load_stage(tiny_llama, 0, shape.num_layers), EngineSettings(llama_attention=attention))
     rng = np.random.default_rng(5)
     prompts = {name: rng.integers(3, 300, size=n) for name, n in (("a", 9), ("b", 3), ("c", 14))}
     alone = {}
@@ -392,3 +399,71 @@ def test_dense_ffn_as_expert_slices_equals_plain_matmuls(tiny_llama):
         engine.open("s")
         logits[mode] = engine.step([Segment("s", 0, len(ids))], ids).logits
     np.testing.assert_allclose(logits["experts"], logits["matmul"], rtol=1e-4, atol=1e-4)
+
+
+# -- paged attention over block pools -----------------------------------------------------------------
+
+
+def test_paged_stage_compiles_to_one_fused_attention_per_layer(tiny_llama):
+    shape = load_shape(tiny_llama)
+    weights = load_stage(tiny_llama, 0, shape.num_layers)
+    (paged,) = StageEngine(weights, EngineSettings(llama_attention="paged")).runtime_ops()
+    (blocks,) = StageEngine(weights, EngineSettings(llama_attention="blocks")).runtime_ops()
+    assert paged.get("PagedAttention") == shape.num_layers
+    assert "PagedAttention" not in blocks
+    assert sum(paged.values()) < sum(blocks.values())
+
+
+def test_paged_rewind_and_refeed_equal_a_fresh_stream(tiny_llama):
+    """What a rejected speculative draft does: rows past the confirmed position are overwritten."""
+    shape = load_shape(tiny_llama)
+    engine = StageEngine(load_stage(tiny_llama, 0, shape.num_layers), EngineSettings(llama_attention="paged"))
+    rng = np.random.default_rng(8)
+    prompt, rejected, accepted = (rng.integers(3, 300, size=n) for n in (30, 6, 5))
+    engine.open("spec")
+    engine.step([Segment("spec", 0, 30)], prompt)
+    engine.step([Segment("spec", 30, 6)], rejected)
+    engine.rewind("spec", 31)  # the first drafted token confirmed
+    tail = np.concatenate([rejected[:1], accepted])
+    got = engine.step([Segment("spec", 31, 5)], accepted).logits
+    engine.open("fresh")
+    want = engine.step([Segment("fresh", 0, 36)], np.concatenate([prompt, tail])).logits[31:]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_paged_pool_growth_keeps_every_stream_and_close_returns_blocks(tiny_llama):
+    """Streams that outgrow the first pool (16 blocks) force a larger one mid-run, bound anew."""
+    shape = load_shape(tiny_llama)
+    weights = load_stage(tiny_llama, 0, shape.num_layers)
+    paged = StageEngine(weights, EngineSettings(llama_attention="paged"))
+    blocks = StageEngine(weights, EngineSettings(llama_attention="blocks"))
+    rng = np.random.default_rng(9)
+    prompts = {name: rng.integers(3, 300, size=200) for name in "abc"}
+    pool = paged._pool
+    assert pool is not None
+    generation = pool.generation
+    logits = {}
+    for engine in (paged, blocks):
+        for name, ids in prompts.items():
+            engine.open(name)
+            engine.step([Segment(name, 0, 120)], ids[:120])
+        # every stream's second window in one step, then a decode row each
+        segments = [Segment(name, 120, 79) for name in prompts]
+        engine.step(segments, np.concatenate([ids[120:199] for ids in prompts.values()]))
+        segments = [Segment(name, 199, 1) for name in prompts]
+        logits[engine is paged] = engine.step(segments, np.array([ids[199] for ids in prompts.values()])).logits
+    assert pool.generation > generation and pool.capacity >= 3 * 7
+    np.testing.assert_allclose(logits[True], logits[False], rtol=1e-4, atol=1e-4)
+    assert paged.stream_bytes("a") == 7 * pool.block_bytes
+    free = pool.free_blocks
+    for name in prompts:
+        paged.close(name)
+    assert pool.free_blocks == free + 3 * 7
+
+
+def test_paged_attention_refuses_u8_keys():
+    with pytest.raises(ValueError, match="u8"):
+        EngineSettings(llama_attention="paged", kv_precision="u8")
+    assert not EngineSettings(kv_precision="u8").paged_attention
+    assert not EngineSettings(device="GPU").paged_attention
+    assert EngineSettings().paged_attention
