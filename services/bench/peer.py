@@ -43,8 +43,9 @@ class PeerBenchConfig:
     new_tokens: int = 64
     repeats: int = 3
     shards: int = 3  # 0: skip the fleet
-    # our dense FFN both ways: as all-active expert slices (the fleet's path) and as plain matmuls
-    dense_ffn: tuple[str, ...] = ("experts", "matmul")
+    # one-process runs as (dense FFN, Llama attention): the FFN as all-active expert slices and as
+    # plain matmuls, attention through PagedAttention (the CPU's default) and through our block graph
+    variants: tuple[tuple[str, str], ...] = (("experts", "paged"), ("matmul", "paged"), ("matmul", "blocks"))
 
 
 @dataclass(frozen=True)
@@ -132,10 +133,10 @@ def run_peer_bench(config: PeerBenchConfig, console: Console) -> dict[str, Any]:
     with console.status("GenAI"):
         summary["results"]["genai"] = _measure_genai(config, prompt_ids)
     console.print(f"GenAI: {summary['results']['genai']}")
-    for dense in config.dense_ffn:
-        name = "engine" if dense == "experts" else f"engine-{dense}"
+    for dense, attention in config.variants:
+        name = f"engine-{dense}-{attention}"
         with console.status(name):
-            summary["results"][name] = _measure_engine(config, prompt_ids, dense)
+            summary["results"][name] = _measure_engine(config, prompt_ids, dense, attention)
         console.print(f"{name}: {summary['results'][name]}")
     with console.status("one dense FFN call both ways"):
         from cascadia.bench.engine import measure_dense_layer
@@ -164,12 +165,13 @@ def _measure_genai(config: PeerBenchConfig, prompt_ids: list[int]) -> dict[str, 
     }
 
 
-def _measure_engine(config: PeerBenchConfig, prompt_ids: list[int], dense_ffn: str) -> dict[str, Any]:
+def _measure_engine(config: PeerBenchConfig, prompt_ids: list[int], dense_ffn: str, attention: str) -> dict[str, Any]:
     from cascadia.engine.settings import EngineSettings
     from cascadia.model.loader import load_shape, load_stage
 
     shape = load_shape(config.model)
-    engine = StageEngine(load_stage(config.model, 0, shape.num_layers), EngineSettings(dense_ffn=dense_ffn))  # type: ignore[arg-type]
+    settings = EngineSettings(dense_ffn=dense_ffn, llama_attention=attention)  # type: ignore[arg-type]
+    engine = StageEngine(load_stage(config.model, 0, shape.num_layers), settings)
     return {
         str(n): _repeat(lambda n=n: time_engine(engine, prompt_ids, n, config.new_tokens), config.repeats)
         for n in config.streams
