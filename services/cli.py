@@ -244,7 +244,12 @@ def _generate_on_fleet(
     )
 
     async def go() -> Generation:
-        config = SchedulerConfig(stages=shards, max_draft=DEFAULT_MAX_DRAFT if speculate else 0, mtp_draft=mtp_depths)
+        config = SchedulerConfig(
+            stages=shards,
+            max_draft=DEFAULT_MAX_DRAFT if speculate else 0,
+            mtp_draft=mtp_depths,
+            frames_in_flight=fleet.frames_in_flight,
+        )
         driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, config, proposer=_proposer("local"))
         await driver.start()
         try:
@@ -313,6 +318,9 @@ def shard(
     mtp_vocab: Annotated[
         int, typer.Option(min=0, help="MTP draft logits over the first N token ids only (0: the whole vocabulary).")
     ] = 0,
+    threads: Annotated[
+        int, typer.Option(min=0, help="Inference threads (0: the plugin's default, every core it sees).")
+    ] = 0,
 ) -> None:
     """Serve one contiguous layer range as a stage of the chain."""
     import logging
@@ -333,7 +341,7 @@ def shard(
         shape = load_shape(model_dir)
         if (end == shape.num_layers) != (reply_to is not None):
             raise fail(f"--layers {layers}: only the stage ending at layer {shape.num_layers} takes --reply-to")
-        overrides = {"kv_precision": kv_precision, **({"context": context} if context else {})}
+        overrides = {"kv_precision": kv_precision, "threads": threads, **({"context": context} if context else {})}
         settings = preset(precision, device=device, **overrides)
         if mtp_depths and reply_to is None:
             raise fail("--mtp-depths is for the last stage (the one with --reply-to)")
@@ -390,6 +398,10 @@ def router(
     mtp_draft: Annotated[
         int, typer.Option(min=0, help="Tokens the last stage's MTP head drafts per round (its --mtp-depths).")
     ] = 0,
+    frames_in_flight: Annotated[
+        int,
+        typer.Option(min=0, help="Frames on the chain at once (0: one per stage; 1 when the stages share cores)."),
+    ] = 0,
 ) -> None:
     """Admission, pipeline groups, sampling parameters and speculative rounds over a chain of shards."""
     import logging
@@ -406,7 +418,9 @@ def router(
         raise fail(f"--max-draft {max_draft} must be below --rows-per-group {rows_per_group}")
     if mtp_draft and not max_draft:
         raise fail(f"--mtp-draft {mtp_draft} drafts for speculative rounds: give --max-draft too")
-    config = SchedulerConfig(len(addrs), rows_per_group, prefill_window, max_streams, max_queue, max_draft, mtp_draft)
+    config = SchedulerConfig(
+        len(addrs), rows_per_group, prefill_window, max_streams, max_queue, max_draft, mtp_draft, frames_in_flight
+    )
     driver = PipelineDriver(addrs, collect, config, frame_timeout, _proposer(draft) if max_draft else None)
 
     run_until_signal(serve(driver, listen))

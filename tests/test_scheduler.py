@@ -178,3 +178,18 @@ def test_decoding_streams_spread_over_one_frame_per_stage():
     s.on_frame_done(prefill.id, {f"r{i}": 5 for i in range(8)})
     frames = s.next_frames()
     assert sorted(f.size for f in frames) == [2, 3, 3]  # every stage gets work
+
+
+def test_one_frame_in_flight_keeps_the_decoding_streams_in_one_batch():
+    """Stages sharing their cores (a fleet on one machine): one frame on the chain, as large as a group."""
+    s = Scheduler(SchedulerConfig(stages=3, rows_per_group=8, prefill_window=8, frames_in_flight=1))
+    s.set_chain_ready(True)
+    for i in range(8):
+        s.submit(request(f"r{i}", 1))
+    (prefill,) = s.next_frames()
+    assert s.next_frames() == []  # nothing more until it returns
+    s.on_frame_done(prefill.id, {f"r{i}": 5 for i in range(8)})
+    (decode,) = s.next_frames()
+    assert decode.size == 8
+    with pytest.raises(ValueError, match="frames_in_flight"):
+        SchedulerConfig(stages=3, frames_in_flight=-1)

@@ -187,7 +187,8 @@ def _run_fleet(config: PeerBenchConfig, prompt_ids: list[int], console: Console)
     fleet.start(log_dir=config.out)
 
     async def go() -> dict[str, Any]:
-        driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, SchedulerConfig(stages=config.shards), 600)
+        scheduler = SchedulerConfig(stages=config.shards, frames_in_flight=fleet.frames_in_flight)
+        driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, scheduler, 600)
         await driver.start()
         try:
             with console.status(f"starting {config.shards} shards"):

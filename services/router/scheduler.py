@@ -35,6 +35,13 @@ class SchedulerConfig:
     max_queue: int = 1024  # requests waiting for admission
     max_draft: int = 0  # drafted tokens per verify block (0: no speculation); within the stages' rewind slack
     mtp_draft: int = 0  # tokens the last stage's MTP head drafts after each token (0: the chain has no head)
+    # frames on the chain at once (0: one per stage, so every stage works at once). Stages that share
+    # their cores (a fleet on one machine) gain nothing from working at once and lose the batch: 1.
+    frames_in_flight: int = 0
+
+    @property
+    def in_flight(self) -> int:
+        return self.frames_in_flight or self.stages
 
     def __post_init__(self) -> None:
         for name in ("stages", "rows_per_group", "prefill_window", "max_streams"):
@@ -42,6 +49,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.frames_in_flight < 0:
+            raise ValueError(f"frames_in_flight must be >= 0, got {self.frames_in_flight}")
         if not 0 <= self.max_draft < self.rows_per_group:
             raise ValueError(f"max_draft must be in [0, {self.rows_per_group}), got {self.max_draft}")
         if self.mtp_draft < 0 or (self.mtp_draft and not self.max_draft):
@@ -131,10 +140,11 @@ class Verified:
     accepted: int
 
 
-def decode_rows_per_frame(decoding: int, stages: int, rows_per_group: int) -> int:
-    """Decode rows one frame carries: the decoding streams spread over one frame per stage, so that every
-    stage has work (8 streams on 3 stages go as 3, 3 and 2), and never more than a group."""
-    return max(1, min(rows_per_group, -(-decoding // stages)))
+def decode_rows_per_frame(decoding: int, in_flight: int, rows_per_group: int) -> int:
+    """Decode rows one frame carries: the decoding streams spread over the frames in flight (one per
+    stage by default, so that every stage has work: 8 streams on 3 stages go as 3, 3 and 2), and never
+    more than a group."""
+    return max(1, min(rows_per_group, -(-decoding // in_flight)))
 
 
 def choose_draft(
@@ -309,7 +319,7 @@ class Scheduler:
             return []
         self._admit()
         frames = []
-        while len(self._in_flight) < self.config.stages:
+        while len(self._in_flight) < self.config.in_flight:
             frame = self._build_frame()
             if frame is None:
                 break
@@ -327,7 +337,7 @@ class Scheduler:
         rows: list[Row] = []
         rewinds: list[tuple[RequestId, int]] = []
         decoding = sum(1 for s in self._active.values() if not s.prefilling)
-        decode_cap = decode_rows_per_frame(decoding, self.config.stages, self.config.rows_per_group)
+        decode_cap = decode_rows_per_frame(decoding, self.config.in_flight, self.config.rows_per_group)
         ready = [s for s in self._active.values() if not s.prefilling and not s.busy]
         for stream in ready[:decode_cap]:  # decode rows first
             if budget == 0:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,6 +139,8 @@ class ShardServicer(rpc.ShardServicer):
         self.expected: dict[str, int] = {}
         self.samplers: dict[str, _Sampler] = {}
         self.sender: FrameStream | None = None  # to the next stage, or from the last one to the collector
+        self.compute_seconds = 0.0
+        self.frames_computed = 0
 
     async def Submit(self, frame, context):
         error = self._admit(frame)
@@ -223,6 +226,8 @@ class ShardServicer(rpc.ShardServicer):
             open_streams=len(streams),
             state_bytes=sum(self.engine.stream_bytes(s) for s in streams),
             queued_frames=self.queue.qsize(),
+            compute_seconds=self.compute_seconds,
+            frames_computed=self.frames_computed,
         )
 
     async def run(self) -> None:
@@ -231,12 +236,15 @@ class ShardServicer(rpc.ShardServicer):
             if frame.error:
                 out = frame
             else:
+                started = time.perf_counter()
                 try:
                     out = await asyncio.to_thread(self._compute, frame)
                 except Exception as exc:  # the stream's requests fail; the shard keeps serving
                     log.exception("frame %s failed", frame.frame_id)
                     self._forget(frame)
                     out = pb.Frame(frame_id=frame.frame_id, error=f"stage {self.stage}: {exc}", failed_stage=self.stage)
+                self.compute_seconds += time.perf_counter() - started
+                self.frames_computed += 1
             self._pass_on(out)
 
     def _forget(self, frame) -> None:
