@@ -232,7 +232,7 @@ def _generate_on_fleet(
     from cascadia.engine.generate import Generation
     from cascadia.router.local import LocalFleet
     from cascadia.router.pipeline import PipelineDriver, RequestFailed
-    from cascadia.router.scheduler import Request, SchedulerConfig
+    from cascadia.router.scheduler import Request
 
     fleet = LocalFleet(
         model_dir,
@@ -244,12 +244,7 @@ def _generate_on_fleet(
     )
 
     async def go() -> Generation:
-        config = SchedulerConfig(
-            stages=shards,
-            max_draft=DEFAULT_MAX_DRAFT if speculate else 0,
-            mtp_draft=mtp_depths,
-            frames_in_flight=fleet.frames_in_flight,
-        )
+        config = fleet.scheduler_config(max_draft=DEFAULT_MAX_DRAFT if speculate else 0, mtp_draft=mtp_depths)
         driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, config, proposer=_proposer("local"))
         await driver.start()
         try:

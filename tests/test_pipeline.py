@@ -283,3 +283,17 @@ def test_requests_queued_while_a_shard_is_down_are_served_once_it_is_back(fleet_
 
     tokens = asyncio.run(go())
     assert tokens == solo(request)
+
+
+def test_a_fleet_on_one_machine_keeps_one_large_frame_on_the_chain(tmp_path):
+    """Loopback shards share the cores: one frame at a time with every ready row; emulated links stand
+    for separate machines and keep a frame per stage."""
+    fleet = LocalFleet(tmp_path, 3)
+    config = fleet.scheduler_config(max_draft=3)
+    assert (config.stages, config.in_flight, config.max_draft) == (3, 1, 3)
+    assert config.rows_per_group > 8 and config.prefill_window > 8
+    options = fleet.router_options()
+    assert options[options.index("--frames-in-flight") + 1] == "1"
+    fleet.network = object()  # type: ignore[assignment]
+    assert fleet.scheduler_config().in_flight == 3
+    assert fleet.scheduler_config().rows_per_group == SchedulerConfig(stages=3).rows_per_group

@@ -181,14 +181,12 @@ def _measure_engine(config: PeerBenchConfig, prompt_ids: list[int], dense_ffn: s
 def _run_fleet(config: PeerBenchConfig, prompt_ids: list[int], console: Console) -> dict[str, Any]:
     from cascadia.router.local import LocalFleet
     from cascadia.router.pipeline import PipelineDriver
-    from cascadia.router.scheduler import SchedulerConfig
 
     fleet = LocalFleet(config.model, config.shards, "f32")
     fleet.start(log_dir=config.out)
 
     async def go() -> dict[str, Any]:
-        scheduler = SchedulerConfig(stages=config.shards, frames_in_flight=fleet.frames_in_flight)
-        driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, scheduler, 600)
+        driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, fleet.scheduler_config(), 600)
         await driver.start()
         try:
             with console.status(f"starting {config.shards} shards"):
