@@ -127,7 +127,6 @@ def run_spec_bench(config: SpecBenchConfig, console: Console) -> dict[str, Any]:
             rows_per_group=config.rows_per_group,
             max_draft=config.max_draft,
             max_streams=config.streams,
-            frames_in_flight=fleet.scheduler_config().frames_in_flight,
         )
         driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, scheduler, 600, LocalProposer())
         await driver.start()
