@@ -2,12 +2,15 @@
 
 Both sides use the file's weights as stored (Q4_1 / Q8_0 blocks), f32 arithmetic, an f32 KV cache
 and no int8 activation quantisation. Greedy decoding of real prompts with EOS ignored, so every
-measurement decodes the same number of tokens. Medians over repeats.
+measurement decodes the same number of tokens. Every repeat runs GenAI and each of ours in turn (the
+fleet's runs alternate with GenAI's too), and each ratio is of medians from the same interleaved runs,
+so a slow spell of this shared machine falls on both sides.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import statistics
 import time
@@ -113,13 +116,26 @@ async def _time_fleet(driver, prompt_ids: list[int], streams: int, new_tokens: i
     return Timing(ttft, after / (end - decode_start) if after else 0.0)
 
 
-def _repeat(fn: Callable[[], Timing], repeats: int) -> dict[str, float]:
-    fn()  # warm-up
-    return _median([fn() for _ in range(repeats)])
+def _interleaved(contenders: dict[str, Callable[[int], Timing]], streams: tuple[int, ...], repeats: int):
+    """Each stream count: one warm-up each, then `repeats` rounds that run every contender once in turn,
+    so a slow spell of this shared machine falls on all of them alike. Medians per contender."""
+    results: dict[str, dict[str, Any]] = {name: {} for name in contenders}
+    for n in streams:
+        runs: dict[str, list[Timing]] = {name: [] for name in contenders}
+        for fn in contenders.values():
+            fn(n)
+        for _ in range(repeats):
+            for name, fn in contenders.items():
+                runs[name].append(fn(n))
+        for name in contenders:
+            results[name][str(n)] = _median(runs[name])
+    return results
 
 
 def run_peer_bench(config: PeerBenchConfig, console: Console) -> dict[str, Any]:
+    from cascadia.engine.settings import EngineSettings
     from cascadia.gateway.text import TextCodec
+    from cascadia.model.loader import load_shape, load_stage
 
     config.out.mkdir(parents=True, exist_ok=True)
     prompt_ids = TextCodec.from_model(config.model).encode(PROMPT)
@@ -130,60 +146,51 @@ def run_peer_bench(config: PeerBenchConfig, console: Console) -> dict[str, Any]:
         "settings": GENAI_F32,
         "results": {},
     }
-    with console.status("GenAI"):
-        summary["results"]["genai"] = _measure_genai(config, prompt_ids)
-    console.print(f"GenAI: {summary['results']['genai']}")
+    shape = load_shape(config.model)
+    pipe = genai_pipeline(config.model)
+    contenders: dict[str, Callable[[int], Timing]] = {"genai": lambda n: time_genai(pipe, PROMPT, n, config.new_tokens)}
     for dense, attention in config.variants:
-        name = f"engine-{dense}-{attention}"
-        with console.status(name):
-            summary["results"][name] = _measure_engine(config, prompt_ids, dense, attention)
-        console.print(f"{name}: {summary['results'][name]}")
+        settings = EngineSettings(dense_ffn=dense, llama_attention=attention)  # type: ignore[arg-type]
+        with console.status(f"compiling engine-{dense}-{attention}"):
+            engine = StageEngine(load_stage(config.model, 0, shape.num_layers), settings)
+        contenders[f"engine-{dense}-{attention}"] = functools.partial(
+            lambda e, n: time_engine(e, prompt_ids, n, config.new_tokens), engine
+        )
+    with console.status("GenAI and the engines, interleaved"):
+        summary["results"] = _interleaved(contenders, config.streams, config.repeats)
+    for name, result in summary["results"].items():
+        console.print(f"{name}: {result}")
     with console.status("one dense FFN call both ways"):
         from cascadia.bench.engine import measure_dense_layer
-        from cascadia.model.loader import load_shape
 
-        summary["dense_call"] = measure_dense_layer(config.model, load_shape(config.model), config.repeats)
+        summary["dense_call"] = measure_dense_layer(config.model, shape, config.repeats)
     console.print(f"dense FFN call: {summary['dense_call']}")
-    if config.shards:
-        summary["results"][f"fleet-{config.shards}"] = _run_fleet(config, prompt_ids, console)
     genai = summary["results"]["genai"]
-    summary["ratios"] = {
-        name: {n: r[n]["decode_tokens_per_s"] / genai[n]["decode_tokens_per_s"] for n in r}
-        for name, r in summary["results"].items()
-        if name != "genai"
-    }
+    ratios = {name: _ratios(r, genai) for name, r in summary["results"].items() if name != "genai"}
+    if config.shards:
+        fleet_name = f"fleet-{config.shards}"
+        beside = _run_fleet(config, prompt_ids, console, pipe)
+        summary["results"][fleet_name] = beside[fleet_name]
+        summary["results"]["genai-beside-fleet"] = beside["genai"]
+        ratios[fleet_name] = _ratios(beside[fleet_name], beside["genai"])
+    summary["ratios"] = ratios
     (config.out / "peer.json").write_text(json.dumps(summary, indent=2) + "\n")
     _plot(summary, config.out / "peer.png")
     return summary
 
 
-def _measure_genai(config: PeerBenchConfig, prompt_ids: list[int]) -> dict[str, Any]:
-    pipe = genai_pipeline(config.model)
-    return {
-        str(n): _repeat(lambda n=n: time_genai(pipe, PROMPT, n, config.new_tokens), config.repeats)
-        for n in config.streams
-    }
+def _ratios(ours: dict[str, Any], genai: dict[str, Any]) -> dict[str, float]:
+    return {n: ours[n]["decode_tokens_per_s"] / genai[n]["decode_tokens_per_s"] for n in ours}
 
 
-def _measure_engine(config: PeerBenchConfig, prompt_ids: list[int], dense_ffn: str, attention: str) -> dict[str, Any]:
-    from cascadia.engine.settings import EngineSettings
-    from cascadia.model.loader import load_shape, load_stage
-
-    shape = load_shape(config.model)
-    settings = EngineSettings(dense_ffn=dense_ffn, llama_attention=attention)  # type: ignore[arg-type]
-    engine = StageEngine(load_stage(config.model, 0, shape.num_layers), settings)
-    return {
-        str(n): _repeat(lambda n=n: time_engine(engine, prompt_ids, n, config.new_tokens), config.repeats)
-        for n in config.streams
-    }
-
-
-def _run_fleet(config: PeerBenchConfig, prompt_ids: list[int], console: Console) -> dict[str, Any]:
+def _run_fleet(config: PeerBenchConfig, prompt_ids: list[int], console: Console, pipe) -> dict[str, Any]:
+    """The fleet's runs interleaved with GenAI's in this process (GenAI runs while the shards idle)."""
     from cascadia.router.local import LocalFleet
     from cascadia.router.pipeline import PipelineDriver
 
     fleet = LocalFleet(config.model, config.shards, "f32")
     fleet.start(log_dir=config.out)
+    name = f"fleet-{config.shards}"
 
     async def go() -> dict[str, Any]:
         driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, fleet.scheduler_config(), 600)
@@ -191,15 +198,16 @@ def _run_fleet(config: PeerBenchConfig, prompt_ids: list[int], console: Console)
         try:
             with console.status(f"starting {config.shards} shards"):
                 await driver.wait_ready(timeout=600)
-            out = {}
+            results: dict[str, dict[str, Any]] = {name: {}, "genai": {}}
             for n in config.streams:
                 await _time_fleet(driver, prompt_ids, n, config.new_tokens, f"warm-{n}")
-                runs = [
-                    await _time_fleet(driver, prompt_ids, n, config.new_tokens, f"run-{n}-{i}")
-                    for i in range(config.repeats)
-                ]
-                out[str(n)] = _median(runs)
-            return out
+                runs: dict[str, list[Timing]] = {name: [], "genai": []}
+                for i in range(config.repeats):
+                    runs["genai"].append(time_genai(pipe, PROMPT, n, config.new_tokens))
+                    runs[name].append(await _time_fleet(driver, prompt_ids, n, config.new_tokens, f"run-{n}-{i}"))
+                for key, timings in runs.items():
+                    results[key][str(n)] = _median(timings)
+            return results
         finally:
             await driver.stop()
 
@@ -207,7 +215,7 @@ def _run_fleet(config: PeerBenchConfig, prompt_ids: list[int], console: Console)
         result = asyncio.run(go())
     finally:
         fleet.stop()
-    console.print(f"fleet of {config.shards}: {result}")
+    console.print(f"fleet of {config.shards} (and GenAI beside it): {result}")
     return result
 
 
