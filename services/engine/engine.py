@@ -226,11 +226,16 @@ class StageEngine:
         self._layers: list[_Layer | _LayerInfo] = []
         self._stage_model = self._stage_request = None
         self._pool: BlockPool | None = None
-        self._bound_pool = -1  # the pool generation whose arrays the stage request holds
+        # paged stages: the request that also returns every layer's output (compiled when first asked
+        # for, since the extra outputs cost the hot path about 2 ms a step), and the pool generation
+        # each request has bound
+        self._traced_request: ov.InferRequest | None = None
+        self._bound_pool: dict[int, int] = {}
         if self.shape.family == "llama" and not settings.split_expert_graph:
             # small dense layers: one compiled model for the whole range, so a step is one call
             build = llama_graphs.paged_stage_graph if settings.paged_attention else llama_graphs.stage_graph
-            model = build(
+            stage = functools.partial(
+                build,
                 self.shape,
                 weights.layers,
                 settings.attention_weights,
@@ -238,7 +243,11 @@ class StageEngine:
                 settings.dense_ffn_path,
                 kv_type=settings.kv_precision,
             )
-            self._stage_model = core.compile_model(model, settings.device, residual_cfg)
+            if settings.paged_attention:
+                traced = stage
+                self._compile_traced = lambda: core.compile_model(traced(), settings.device, residual_cfg)
+                stage = functools.partial(stage, layer_outputs=False)
+            self._stage_model = core.compile_model(stage(), settings.device, residual_cfg)
             self._stage_request = self._stage_model.create_infer_request()
             if settings.paged_attention:
                 a = self.shape.layer_attention(weights.layers[0].index)
@@ -446,16 +455,21 @@ class StageEngine:
     def _run_paged_stage(self, tables: PagedTables, hidden: np.ndarray, trace: list[np.ndarray] | None) -> np.ndarray:
         """Every layer in one call, PagedAttention writing the step's keys and values into the pool."""
         assert self._pool is not None and self._stage_request is not None
-        if self._bound_pool != self._pool.generation:
+        request = self._stage_request
+        if trace is not None:
+            if self._traced_request is None:
+                self._traced_request = self._compile_traced().create_infer_request()
+            request = self._traced_request
+        if self._bound_pool.get(id(request)) != self._pool.generation:
             for n, (keys, values) in enumerate(zip(self._pool.keys, self._pool.values, strict=True)):
-                self._stage_request.set_tensor(f"key_cache_{n}", ov.Tensor(keys, shared_memory=True))
-                self._stage_request.set_tensor(f"value_cache_{n}", ov.Tensor(values, shared_memory=True))
-            self._bound_pool = self._pool.generation
+                request.set_tensor(f"key_cache_{n}", ov.Tensor(keys, shared_memory=True))
+                request.set_tensor(f"value_cache_{n}", ov.Tensor(values, shared_memory=True))
+            self._bound_pool[id(request)] = self._pool.generation
         inputs = {"hidden": hidden, "query_position": tables.row_position.astype(np.float32), **tables.as_inputs()}
         wanted = ["hidden_out"]
         if trace is not None:
             wanted += [f"layer_out_{li}" for li in range(len(self._layers))]
-        out = _infer(self._stage_request, inputs, wanted)
+        out = _infer(request, inputs, wanted)
         if trace is not None:
             trace.extend(out[f"layer_out_{li}"] for li in range(len(self._layers)))
         return out["hidden_out"]

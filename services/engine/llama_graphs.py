@@ -239,6 +239,7 @@ def paged_stage_graph(
     expert_fmt: WeightFormat,
     dense_ffn: str = "experts",
     kv_type: str = "f32",
+    layer_outputs: bool = True,
 ) -> ov.Model:
     """Every layer of a stage in one model, attending through PagedAttention over block pools.
 
@@ -259,6 +260,7 @@ def paged_stage_graph(
         params += pools
         paged = PagedInputs(pools[0], pools[1], tables, max_context_len)
         _, _, (x,) = _layer(shape, layer, x, shared, paged, attention_fmt, expert_fmt, dense_ffn)
-        results.append(_named(x, f"layer_out_{n}"))
+        if layer_outputs:
+            results.append(_named(x, f"layer_out_{n}"))
     results.append(_named(ops.convert(x, "f32"), "hidden_out"))
     return ov.Model([ops.result(n) for n in results], params, "stage_llama_paged")
