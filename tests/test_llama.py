@@ -467,3 +467,16 @@ def test_paged_attention_refuses_u8_keys():
     assert not EngineSettings(kv_precision="u8").paged_attention
     assert not EngineSettings(device="GPU").paged_attention
     assert EngineSettings().paged_attention
+
+
+def test_paged_last_stage_logits_come_from_its_one_call_and_agree_with_the_head(tiny_llama):
+    shape = load_shape(tiny_llama)
+    engine = StageEngine(load_stage(tiny_llama, 0, shape.num_layers), EngineSettings(llama_attention="paged"))
+    ids = np.random.default_rng(10).integers(3, 300, size=12)
+    engine.open("s")
+    step = engine.step([Segment("s", 0, 12)], ids, np.array([3, 11]))
+    assert step.logits.shape == (2, shape.vocab_size) and step.logit_rows.tolist() == [3, 11]
+    np.testing.assert_allclose(step.logits, engine.head_logits(step.hidden[[3, 11]]), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="logit rows"):
+        engine.step([Segment("s", 12, 1)], ids[:1], np.array([1]))
+    assert engine.position("s") == 12  # the refused step left the stream where it was

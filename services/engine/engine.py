@@ -244,6 +244,10 @@ class StageEngine:
                 kv_type=settings.kv_precision,
             )
             if settings.paged_attention:
+                # the last stage ends in the head too: one call per step, not two
+                if self.is_last:
+                    head = llama_graphs.StageHead(weights.final_norm, weights.head, settings.head_weights)
+                    stage = functools.partial(stage, head=head)
                 traced = stage
                 self._compile_traced = lambda: core.compile_model(traced(), settings.device, residual_cfg)
                 stage = functools.partial(stage, layer_outputs=False)
@@ -262,7 +266,9 @@ class StageEngine:
                 tick(f"layer {layer.index}")
         if self.is_last:
             model = graphs.head_graph(self.shape, weights.final_norm, weights.head, settings.head_weights)
-            self._head = core.compile_model(model, settings.device, residual_cfg).create_infer_request()
+            self._compile_head = lambda: core.compile_model(model, settings.device, residual_cfg)
+            if self._pool is None:  # a paged stage's graph has the head; this one serves `head_logits`
+                self._head = self._compile_head().create_infer_request()
             tick("head")
         self._windows = tuple(layer.attention.window for layer in self._layers)
         # cached keys nearer than this may carry a relative bias on global layers; farther ones are read
@@ -413,8 +419,13 @@ class StageEngine:
                 for rows_store in (layer_state.keys, layer_state.values):
                     if isinstance(rows_store, GrowingRows):
                         rows_store.reserve(state.position + max(s.length for s in segments))
+        chosen = logits = None
+        if self.is_last:
+            chosen = np.arange(rows) if logit_rows is None else np.asarray(logit_rows, dtype=np.int64)
+            if chosen.size and (chosen.ndim != 1 or chosen.min() < 0 or chosen.max() >= rows):
+                raise ValueError(f"logit rows must lie in [0, {rows}), got {chosen.tolist()}")
         if isinstance(plan, PagedTables):
-            hidden = self._run_paged_stage(plan, hidden, trace)
+            hidden, logits = self._run_paged_stage(plan, hidden, trace, chosen)
         elif self._stage_request is not None:
             hidden = self._run_stage(plan, states, hidden, trace)
         else:
@@ -426,15 +437,20 @@ class StageEngine:
             state.position += seg.length
         if not self.is_last:
             return StepResult(hidden, None, None)
-        chosen = np.arange(rows) if logit_rows is None else np.asarray(logit_rows, dtype=np.int64)
-        logits = _infer(self._head, {"hidden": np.ascontiguousarray(hidden[chosen])})["logits"]
+        if logits is None:
+            logits = _infer(self._head_request(), {"hidden": np.ascontiguousarray(hidden[chosen])})["logits"]
         return StepResult(hidden, logits, chosen)
 
     def head_logits(self, final_states: np.ndarray) -> np.ndarray:
         """The last stage's head on final states (before the norm), e.g. captured ones."""
         if not self.is_last:
             raise ValueError("only the last stage holds the head")
-        return _infer(self._head, {"hidden": np.ascontiguousarray(final_states, dtype=np.float32)})["logits"]
+        return _infer(self._head_request(), {"hidden": np.ascontiguousarray(final_states, dtype=np.float32)})["logits"]
+
+    def _head_request(self) -> ov.InferRequest:
+        if self._head is None:
+            self._head = self._compile_head().create_infer_request()
+        return self._head
 
     def _global_limit(self, state: StreamState) -> int:
         if self._pool is not None:
@@ -452,8 +468,11 @@ class StageEngine:
             state.blocks.extend(fresh[:count])
             del fresh[:count]
 
-    def _run_paged_stage(self, tables: PagedTables, hidden: np.ndarray, trace: list[np.ndarray] | None) -> np.ndarray:
-        """Every layer in one call, PagedAttention writing the step's keys and values into the pool."""
+    def _run_paged_stage(
+        self, tables: PagedTables, hidden: np.ndarray, trace: list[np.ndarray] | None, logit_rows: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """Every layer in one call, PagedAttention writing the step's keys and values into the pool; on
+        the last stage the same call ends in the logits of `logit_rows`."""
         assert self._pool is not None and self._stage_request is not None
         request = self._stage_request
         if trace is not None:
@@ -467,12 +486,15 @@ class StageEngine:
             self._bound_pool[id(request)] = self._pool.generation
         inputs = {"hidden": hidden, "query_position": tables.row_position.astype(np.float32), **tables.as_inputs()}
         wanted = ["hidden_out"]
+        if logit_rows is not None:
+            inputs["logit_rows"] = logit_rows.astype(np.int32)
+            wanted.append("logits")
         if trace is not None:
             wanted += [f"layer_out_{li}" for li in range(len(self._layers))]
         out = _infer(request, inputs, wanted)
         if trace is not None:
             trace.extend(out[f"layer_out_{li}"] for li in range(len(self._layers)))
-        return out["hidden_out"]
+        return out["hidden_out"], out.get("logits")
 
     def _run_stage(
         self, plan: StepPlan, states: list[StreamState], hidden: np.ndarray, trace: list[np.ndarray] | None

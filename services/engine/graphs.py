@@ -443,14 +443,22 @@ def head_graph(
     """Final norm, division by the muP width multiplier, head, and the slice to the first `vocab` ids
     (default: the unpadded vocabulary). The MTP head's draft logits use it with no norm."""
     hidden = _param("hidden", [-1, shape.hidden_size])
-    x = hidden if final_norm is None else rms_norm(hidden, final_norm, shape.rms_norm_eps)
+    logits = head_logits(shape, hidden, final_norm, head, fmt, vocab)
+    return ov.Model([ops.result(_named(logits, "logits"))], [hidden], "head")
+
+
+def head_logits(
+    shape: ModelShape, x: Node, final_norm: np.ndarray | None, head: Weight, fmt: WeightFormat, vocab: int | None = None
+) -> Node:
+    """The nodes of `head_graph` on final states `x`."""
+    if final_norm is not None:
+        x = rms_norm(x, final_norm, shape.rms_norm_eps)
     if shape.logits_mup_width_multiplier != 1.0:
         x = ops.divide(x, _f32(shape.logits_mup_width_multiplier))
     vocab = shape.unpadded_vocab_size if vocab is None else vocab
     if vocab < head.shape[0]:
         head = head[:vocab] if isinstance(head, np.ndarray) else head.map_blocks(lambda a: a[:vocab])
-    logits = linear(x, head, fmt, "head")
-    return ov.Model([ops.result(_named(logits, "logits"))], [hidden], "head")
+    return linear(x, head, fmt, "head")
 
 
 def mtp_input_graph(

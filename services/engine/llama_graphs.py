@@ -240,12 +240,14 @@ def paged_stage_graph(
     dense_ffn: str = "experts",
     kv_type: str = "f32",
     layer_outputs: bool = True,
+    head: StageHead | None = None,
 ) -> ov.Model:
     """Every layer of a stage in one model, attending through PagedAttention over block pools.
 
     Inputs: `hidden`, `query_position`, the sequence tables (`paged.PagedTables.as_inputs`) and each
     layer's pools `key_cache_{n}` / `value_cache_{n}` [blocks, kv_heads, PAGE, D], which the op
-    updates in place; outputs: each layer's output `layer_out_{n}` and `hidden_out`.
+    updates in place; outputs: each layer's output `layer_out_{n}` (with `layer_outputs`) and
+    `hidden_out`. With `head` (the last stage), also `logits` of the rows listed in `logit_rows`.
     """
     hidden = _param("hidden", [-1, shape.hidden_size])
     shared_params, shared = _shared_inputs(shape)
@@ -263,4 +265,18 @@ def paged_stage_graph(
         if layer_outputs:
             results.append(_named(x, f"layer_out_{n}"))
     results.append(_named(ops.convert(x, "f32"), "hidden_out"))
+    if head is not None:
+        logit_rows = _param("logit_rows", [-1], "i32")
+        params.append(logit_rows)
+        chosen = ops.gather(x, logit_rows, _i64(0))
+        results.append(_named(graphs.head_logits(shape, chosen, head.final_norm, head.weight, head.fmt), "logits"))
     return ov.Model([ops.result(n) for n in results], params, "stage_llama_paged")
+
+
+@dataclass(frozen=True)
+class StageHead:
+    """What the last stage's graph needs to end in logits."""
+
+    final_norm: np.ndarray | None
+    weight: graphs.Weight
+    fmt: WeightFormat
