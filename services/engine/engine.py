@@ -2,7 +2,9 @@
 
 `StageEngine.step` advances any mix of streams (prefill windows, decode rows, verify runs) in one
 batched call per layer; stream state lives on the host in `state.StreamState` and is fed to the
-compiled models through the index tables of `batch.plan_step`.
+compiled models through the index tables of `batch.plan_step`. Llama-family stages run every layer
+in one call; on the CPU their keys and values live in a block pool that OpenVINO's PagedAttention op
+writes in place, addressed by each stream's block table (`paged`).
 """
 
 from __future__ import annotations
