@@ -397,6 +397,9 @@ def router(
         int,
         typer.Option(min=0, help="Frames on the chain at once (0: one per stage; 1 when the stages share cores)."),
     ] = 0,
+    draft_rows: Annotated[
+        int, typer.Option(min=0, help="Rows of streams and drafts before speculation stops (0: --rows-per-group).")
+    ] = 0,
 ) -> None:
     """Admission, pipeline groups, sampling parameters and speculative rounds over a chain of shards."""
     import logging
@@ -414,7 +417,15 @@ def router(
     if mtp_draft and not max_draft:
         raise fail(f"--mtp-draft {mtp_draft} drafts for speculative rounds: give --max-draft too")
     config = SchedulerConfig(
-        len(addrs), rows_per_group, prefill_window, max_streams, max_queue, max_draft, mtp_draft, frames_in_flight
+        len(addrs),
+        rows_per_group,
+        prefill_window,
+        max_streams,
+        max_queue,
+        max_draft,
+        mtp_draft,
+        frames_in_flight,
+        draft_rows,
     )
     driver = PipelineDriver(addrs, collect, config, frame_timeout, _proposer(draft) if max_draft else None)
 

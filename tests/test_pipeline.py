@@ -291,7 +291,7 @@ def test_a_fleet_on_one_machine_keeps_one_large_frame_on_the_chain(tmp_path):
     fleet = LocalFleet(tmp_path, 3)
     config = fleet.scheduler_config(max_draft=3)
     assert (config.stages, config.in_flight, config.max_draft) == (3, 1, 3)
-    assert config.rows_per_group > 8 and config.prefill_window > 8
+    assert config.rows_per_group > 8 and config.prefill_window > 8 and config.draft_room == 8
     options = fleet.router_options()
     assert options[options.index("--frames-in-flight") + 1] == "1"
     fleet.network = object()  # type: ignore[assignment]

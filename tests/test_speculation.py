@@ -148,6 +148,18 @@ def test_prefilling_and_queued_streams_leave_less_room_for_drafts():
     assert s.drafts_wanted() == []
 
 
+def test_large_groups_still_draft_only_within_the_draft_rows():
+    """A one-machine chain's 64-row groups: drafts as if the group were 8 rows (none with 8 streams)."""
+    s = Scheduler(SchedulerConfig(stages=1, rows_per_group=64, max_draft=3, draft_rows=8))
+    s.set_chain_ready(True)
+    for rid in "abcdefgh":
+        s.submit(Request(rid, (1, 2, 3), SamplingParams(max_tokens=10)))
+    (prefill,) = s.next_frames()
+    s.on_frame_done(prefill.id, {rid: 7 for rid in "abcdefgh"})
+    assert s.drafts_wanted() == []
+    assert SchedulerConfig(stages=1, rows_per_group=64, max_draft=3).draft_room == 64
+
+
 def test_penalised_and_seeded_sampling_requests_are_not_speculated():
     s = Scheduler(SchedulerConfig(stages=1, max_draft=3))
     s.set_chain_ready(True)

@@ -17,8 +17,9 @@ from cascadia.planner import GIB, PlanRequest, plan_fleet
 from cascadia.router.netem import EmulatedNetwork
 from cascadia.router.scheduler import SchedulerConfig
 
-# one frame on the chain, up to 64 rows, prompts in windows of 16 (see `LocalFleet.scheduler_config`)
-ONE_MACHINE_SCHEDULE = {"frames_in_flight": 1, "rows_per_group": 64, "prefill_window": 16}
+# one frame on the chain, up to 64 rows, prompts in windows of 16, and drafts only while the streams
+# fill no more than 8 rows, as with a pipelined chain's groups (see `LocalFleet.scheduler_config`)
+ONE_MACHINE_SCHEDULE = {"frames_in_flight": 1, "rows_per_group": 64, "prefill_window": 16, "draft_rows": 8}
 
 
 def free_port() -> int:
@@ -81,6 +82,7 @@ class LocalFleet:
             *("--frames-in-flight", str(config.frames_in_flight)),
             *("--rows-per-group", str(config.rows_per_group)),
             *("--prefill-window", str(config.prefill_window)),
+            *("--draft-rows", str(config.draft_rows)),
         ]
 
     @property

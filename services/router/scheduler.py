@@ -38,10 +38,18 @@ class SchedulerConfig:
     # frames on the chain at once (0: one per stage, so every stage works at once). Stages that share
     # their cores (a fleet on one machine) gain nothing from working at once and lose the batch: 1.
     frames_in_flight: int = 0
+    # rows a frame's streams and their drafts may share before speculation stops (0: a group). A chain
+    # on one machine takes large groups for throughput, yet a verify block is near free only in a
+    # batch as small as a pipeline group's default
+    draft_rows: int = 0
 
     @property
     def in_flight(self) -> int:
         return self.frames_in_flight or self.stages
+
+    @property
+    def draft_room(self) -> int:
+        return min(self.draft_rows or self.rows_per_group, self.rows_per_group)
 
     def __post_init__(self) -> None:
         for name in ("stages", "rows_per_group", "prefill_window", "max_streams"):
@@ -49,8 +57,9 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
-        if self.frames_in_flight < 0:
-            raise ValueError(f"frames_in_flight must be >= 0, got {self.frames_in_flight}")
+        for name in ("frames_in_flight", "draft_rows"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.max_draft < self.rows_per_group:
             raise ValueError(f"max_draft must be in [0, {self.rows_per_group}), got {self.max_draft}")
         if self.mtp_draft < 0 or (self.mtp_draft and not self.max_draft):
@@ -297,7 +306,7 @@ class Scheduler:
                 continue
             left = stream.request.params.max_tokens - len(stream.generated)
             k = min(
-                draft_length(self._load(), self.config.rows_per_group, self.config.max_draft, stream.accepted_ema),
+                draft_length(self._load(), self.config.draft_room, self.config.max_draft, stream.accepted_ema),
                 left - 1,
             )
             if k > 0:
@@ -392,7 +401,7 @@ class Scheduler:
         if not stream.mtp:
             return 0
         limit = min(self.config.max_draft, self.config.mtp_draft)
-        k = draft_length(self._load(), self.config.rows_per_group, limit, stream.accepted_ema)
+        k = draft_length(self._load(), self.config.draft_room, limit, stream.accepted_ema)
         return max(0, min(k, stream.request.params.max_tokens - len(stream.generated) - 2))
 
     def _load(self) -> int:
