@@ -229,7 +229,7 @@ class StageEngine:
         self._stage_model = self._stage_request = None
         self._pool: BlockPool | None = None
         # paged stages: the request that also returns every layer's output (compiled when first asked
-        # for, since the extra outputs cost the hot path about 2 ms a step), and the pool generation
+        # for, so that steps without a trace do not pay for 30 more outputs), and the pool generation
         # each request has bound
         self._traced_request: ov.InferRequest | None = None
         self._bound_pool: dict[int, int] = {}

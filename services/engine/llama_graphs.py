@@ -186,6 +186,7 @@ class PagedInputs:
     value_cache: Node
     tables: tuple[Node, ...]  # PAGED_TABLES, in the op's order
     max_context_len: Node
+    unused: tuple[Node, ...]  # `unused_paged_inputs()`, one set for every layer
 
     def attend(self, q: Node, k: Node, v: Node, heads: int, kv_heads: int, head_dim: int) -> Node:
         """Causal attention of each row over its stream's cached positions and its segment's earlier rows.
@@ -194,7 +195,7 @@ class PagedInputs:
         stores k and v into the pools at each row's position.
         """
         flat = [ops.reshape(x, _i64(0, n * head_dim), True) for x, n in ((q, heads), (k, kv_heads), (v, kv_heads))]
-        unused = _unused_paged_inputs()
+        unused = self.unused
         scale = _f32(1.0 / np.sqrt(head_dim))
         inputs = [*flat, self.key_cache, self.value_cache, *self.tables, scale, *unused[:2], self.max_context_len]
         op = _PagedAttentionExtension([node.output(0) for node in [*inputs, *unused[2:]]])
@@ -204,7 +205,7 @@ class PagedInputs:
         return op.output(0)
 
 
-def _unused_paged_inputs() -> list[Node]:
+def unused_paged_inputs() -> tuple[Node, ...]:
     """The op's optional inputs, switched off (inputs 10, 11 and 13..27 of PagedAttentionExtension):
     no sliding window, no ALiBi, no score output, no cache rotation, no sparse (xattention) prefill,
     no sinks, no adaptive eviction, no token types, no query bias."""
@@ -229,7 +230,7 @@ def _unused_paged_inputs() -> list[Node]:
         np.zeros(0, np.uint8),  # query bias
         none_i32,  # query bias begins
     ]
-    return [ops.constant(v) for v in values]
+    return tuple(ops.constant(v) for v in values)
 
 
 def paged_stage_graph(
@@ -254,13 +255,14 @@ def paged_stage_graph(
     position = shared_params[-1]
     tables = tuple(_param(name, [-1], "i32") for name in PAGED_TABLES)
     max_context_len = _param("max_context_len", [], "i32")
+    unused = unused_paged_inputs()
     params, results = [hidden, position, *tables, max_context_len], []
     x = hidden
     for n, layer in enumerate(layers):
         a = shape.layer_attention(layer.index)
         pools = [_param(f"{kv}_cache_{n}", [-1, a.num_kv_heads, PAGE, a.head_dim], kv_type) for kv in ("key", "value")]
         params += pools
-        paged = PagedInputs(pools[0], pools[1], tables, max_context_len)
+        paged = PagedInputs(pools[0], pools[1], tables, max_context_len, unused)
         _, _, (x,) = _layer(shape, layer, x, shared, paged, attention_fmt, expert_fmt, dense_ffn)
         if layer_outputs:
             results.append(_named(x, f"layer_out_{n}"))

@@ -68,9 +68,9 @@ class LocalFleet:
 
         Shards on loopback share this machine's cores, so running every stage at once only splits the
         batch and makes the stages' threads contend: one frame on the chain at a time, carrying every
-        ready row (8 streams of SmolLM2 on 3 shards here: 117 tok/s, against 48-55 with a frame per
-        stage and 8-row groups, and 79 with one frame of 8 rows). Shards behind emulated links stand
-        for separate machines and keep the fleet's defaults.
+        ready row (docs/benchmarks.md, `cascadia bench peer`: the 3-shard fleet at 8 streams went from
+        0.34x GenAI to 0.70-0.78x). Shards behind emulated links stand for separate machines and keep
+        the fleet's defaults.
         """
         local = {} if self.network is not None else ONE_MACHINE_SCHEDULE
         return SchedulerConfig(**{"stages": self.shards, **local, **overrides})
