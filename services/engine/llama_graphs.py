@@ -186,7 +186,7 @@ class PagedInputs:
     value_cache: Node
     tables: tuple[Node, ...]  # PAGED_TABLES, in the op's order
     max_context_len: Node
-    unused: tuple[Node, ...]  # `unused_paged_inputs()`, one set for every layer
+    unused: tuple[Node, ...]  # `_unused_paged_inputs()`, one set for every layer
 
     def attend(self, q: Node, k: Node, v: Node, heads: int, kv_heads: int, head_dim: int) -> Node:
         """Causal attention of each row over its stream's cached positions and its segment's earlier rows.
@@ -195,17 +195,16 @@ class PagedInputs:
         stores k and v into the pools at each row's position.
         """
         flat = [ops.reshape(x, _i64(0, n * head_dim), True) for x, n in ((q, heads), (k, kv_heads), (v, kv_heads))]
-        unused = self.unused
         scale = _f32(1.0 / np.sqrt(head_dim))
-        inputs = [*flat, self.key_cache, self.value_cache, *self.tables, scale, *unused[:2], self.max_context_len]
-        op = _PagedAttentionExtension([node.output(0) for node in [*inputs, *unused[2:]]])
+        inputs = [*flat, self.key_cache, self.value_cache, *self.tables, scale, *self.unused[:2], self.max_context_len]
+        op = _PagedAttentionExtension([node.output(0) for node in [*inputs, *self.unused[2:]]])
         info = op.get_rt_info()
         info["num_k_heads"], info["k_head_size"] = kv_heads, head_dim
         info["num_v_heads"], info["v_head_size"] = kv_heads, head_dim
         return op.output(0)
 
 
-def unused_paged_inputs() -> tuple[Node, ...]:
+def _unused_paged_inputs() -> tuple[Node, ...]:
     """The op's optional inputs, switched off (inputs 10, 11 and 13..27 of PagedAttentionExtension):
     no sliding window, no ALiBi, no score output, no cache rotation, no sparse (xattention) prefill,
     no sinks, no adaptive eviction, no token types, no query bias."""
@@ -255,7 +254,7 @@ def paged_stage_graph(
     position = shared_params[-1]
     tables = tuple(_param(name, [-1], "i32") for name in PAGED_TABLES)
     max_context_len = _param("max_context_len", [], "i32")
-    unused = unused_paged_inputs()
+    unused = _unused_paged_inputs()
     params, results = [hidden, position, *tables, max_context_len], []
     x = hidden
     for n, layer in enumerate(layers):
