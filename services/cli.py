@@ -23,7 +23,6 @@ MtpDepthsOption = Annotated[
     int,
     typer.Option(min=0, help="Draft with this many depths of the model's own MTP head (0: none; needs one)."),
 ]
-DEFAULT_MAX_DRAFT = 7  # a verify block of 8 rows fills one pipeline group
 
 
 def fail(message: str) -> typer.Exit:
@@ -244,7 +243,8 @@ def _generate_on_fleet(
     )
 
     async def go() -> Generation:
-        config = fleet.scheduler_config(max_draft=DEFAULT_MAX_DRAFT if speculate else 0, mtp_draft=mtp_depths)
+        drafted = fleet.scheduler_config().longest_draft if speculate else 0
+        config = fleet.scheduler_config(max_draft=drafted, mtp_draft=mtp_depths)
         driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, config, proposer=_proposer("local"))
         await driver.start()
         try:
@@ -857,7 +857,7 @@ def up(
         drafting = []
         if speculation == "on":
             address = fleet.start_draft(log_dir, str(resolve_model(draft_model)) if draft_model else None)
-            drafting = ["--max-draft", str(DEFAULT_MAX_DRAFT), "--draft", address]
+            drafting = ["--max-draft", str(fleet.scheduler_config().longest_draft), "--draft", address]
             drafting += ["--mtp-draft", str(mtp_depths)] if mtp_depths else []
         router_proc = fleet.start_router(router_port, log_dir / "router.log" if log_dir else None, *drafting)
         cmd = [sys.executable, "-m", "cascadia.cli", "gateway", "--router", f"127.0.0.1:{router_port}"]
@@ -1133,16 +1133,22 @@ def bench_spec(
     new_tokens: Annotated[int, typer.Option(min=2)] = 64,
     repeats: Annotated[int, typer.Option(min=1, help="Requests per family and mode (median reported).")] = 3,
     streams: Annotated[int, typer.Option(min=1, help="Concurrent streams for the aggregate rate.")] = 32,
-    max_draft: Annotated[int, typer.Option(min=1, max=31)] = DEFAULT_MAX_DRAFT,
-    rows_per_group: Annotated[int, typer.Option(min=2, help="Rows per pipeline group (a verify block's limit).")] = 8,
+    max_draft: Annotated[
+        int | None,
+        typer.Option(min=1, max=31, help="Drafted tokens per round (default: as many as --draft-rows allow)."),
+    ] = None,
+    draft_rows: Annotated[
+        int | None,
+        typer.Option(min=2, help="Rows of streams and drafts before speculation stops (default: the local fleet's)."),
+    ] = None,
 ) -> None:
     """Per-request speedup and acceptance of speculative decoding by prompt family, and the aggregate rate."""
     from cascadia.bench.spec import SpecBenchConfig, run_spec_bench
 
-    if max_draft >= rows_per_group:
-        raise fail(f"--max-draft {max_draft} must be below --rows-per-group {rows_per_group}")
+    if max_draft is not None and draft_rows is not None and max_draft >= draft_rows:
+        raise fail(f"--max-draft {max_draft} must be below --draft-rows {draft_rows}")
     path = resolve_model(model)
-    config = SpecBenchConfig(path, out, shards, new_tokens, repeats, streams, max_draft, rows_per_group)
+    config = SpecBenchConfig(path, out, shards, new_tokens, repeats, streams, max_draft, draft_rows)
     summary = run_spec_bench(config, err)
     speedups = {f: round(r["speedup"], 3) for f, r in summary["families"].items()}
     sys.stdout.write(json.dumps({"speedup": speedups, "aggregate": summary["aggregate"]}) + "\n")

@@ -44,8 +44,8 @@ class SpecBenchConfig:
     new_tokens: int = 64
     repeats: int = 3
     streams: int = 32
-    max_draft: int = 7
-    rows_per_group: int = 8
+    max_draft: int | None = None  # None: as many as the draft rows allow a lone stream
+    draft_rows: int | None = None  # None: the local fleet's schedule
 
 
 async def _one(driver, rid: str, prompt: list[int], new_tokens: int, speculate: bool) -> dict[str, float]:
@@ -114,20 +114,19 @@ def run_spec_bench(config: SpecBenchConfig, console: Console) -> dict[str, Any]:
     from cascadia.gateway.text import TextCodec
     from cascadia.router.local import LocalFleet
     from cascadia.router.pipeline import PipelineDriver
-    from cascadia.router.scheduler import SchedulerConfig
 
     config.out.mkdir(parents=True, exist_ok=True)
     codec = TextCodec.from_model(config.model)
     fleet = LocalFleet(config.model, config.shards, "f32")
+    # the schedule `cascadia up` gives this fleet, so the figures are what its users get
+    overrides: dict[str, int] = {"max_streams": config.streams}
+    if config.draft_rows is not None:
+        overrides["draft_rows"] = config.draft_rows
+    scheduler = fleet.scheduler_config(**overrides)
+    scheduler = fleet.scheduler_config(**overrides, max_draft=config.max_draft or scheduler.longest_draft)
     fleet.start(log_dir=config.out)
 
     async def go() -> dict[str, Any]:
-        scheduler = SchedulerConfig(
-            stages=config.shards,
-            rows_per_group=config.rows_per_group,
-            max_draft=config.max_draft,
-            max_streams=config.streams,
-        )
         driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, scheduler, 600, LocalProposer())
         await driver.start()
         try:
@@ -146,8 +145,10 @@ def run_spec_bench(config: SpecBenchConfig, console: Console) -> dict[str, Any]:
         "model": config.model.name,
         "shards": config.shards,
         "new_tokens": config.new_tokens,
-        "max_draft": config.max_draft,
-        "rows_per_group": config.rows_per_group,
+        "max_draft": scheduler.max_draft,
+        "draft_rows": scheduler.draft_room,
+        "rows_per_group": scheduler.rows_per_group,
+        "frames_in_flight": scheduler.in_flight,
         **results,
     }
     (config.out / "spec.json").write_text(json.dumps(summary, indent=2) + "\n")

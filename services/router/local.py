@@ -18,8 +18,8 @@ from cascadia.router.netem import EmulatedNetwork
 from cascadia.router.scheduler import SchedulerConfig
 
 # one frame on the chain, up to 64 rows, prompts in windows of 16, and drafts only while the streams
-# fill no more than 8 rows, as with a pipelined chain's groups (see `LocalFleet.scheduler_config`)
-ONE_MACHINE_SCHEDULE = {"frames_in_flight": 1, "rows_per_group": 64, "prefill_window": 16, "draft_rows": 8}
+# and their drafts fill no more than 16 rows (see `LocalFleet.scheduler_config`)
+ONE_MACHINE_SCHEDULE = {"frames_in_flight": 1, "rows_per_group": 64, "prefill_window": 16, "draft_rows": 16}
 
 
 def free_port() -> int:
@@ -69,8 +69,10 @@ class LocalFleet:
         Shards on loopback share this machine's cores, so running every stage at once only splits the
         batch and makes the stages' threads contend: one frame on the chain at a time, carrying every
         ready row (docs/benchmarks.md, `cascadia bench peer`: the 3-shard fleet at 8 streams went from
-        0.34x GenAI to 0.70-0.78x). Shards behind emulated links stand for separate machines and keep
-        the fleet's defaults.
+        0.34x GenAI to 0.70-0.78x). A lone stream may verify up to 15 drafted tokens: such a frame has no
+        other rows to delay, and a long copy gains more from 16-token rounds than the extra rows cost
+        (`cascadia bench spec`). Shards behind emulated links stand for separate machines and keep the
+        fleet's defaults.
         """
         local = {} if self.network is not None else ONE_MACHINE_SCHEDULE
         return SchedulerConfig(**{"stages": self.shards, **local, **overrides})

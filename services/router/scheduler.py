@@ -51,6 +51,11 @@ class SchedulerConfig:
     def draft_room(self) -> int:
         return min(self.draft_rows or self.rows_per_group, self.rows_per_group)
 
+    @property
+    def longest_draft(self) -> int:
+        """Drafted tokens a lone stream's verify block has room for: the draft length to speculate with."""
+        return self.draft_room - 1
+
     def __post_init__(self) -> None:
         for name in ("stages", "rows_per_group", "prefill_window", "max_streams"):
             if getattr(self, name) < 1:
