@@ -23,7 +23,14 @@ from cascadia.engine.settings import EngineSettings
 from cascadia.engine.speculation import accept_draft
 from cascadia.model.loader import load_shape, load_stage
 from cascadia.router.local import free_port
-from cascadia.router.scheduler import Request, Scheduler, SchedulerConfig, draft_length
+from cascadia.router.scheduler import (
+    Request,
+    RoundCosts,
+    Scheduler,
+    SchedulerConfig,
+    draft_length,
+    grown_draft,
+)
 from tests.helpers import router_ready, serving
 
 # -- acceptance -------------------------------------------------------------------------------------
@@ -158,6 +165,47 @@ def test_large_groups_still_draft_only_within_the_draft_rows():
     s.on_frame_done(prefill.id, {rid: 7 for rid in "abcdefgh"})
     assert s.drafts_wanted() == []
     assert SchedulerConfig(stages=1, rows_per_group=64, max_draft=3).draft_room == 64
+
+
+def test_round_costs_find_the_widest_frame_measured_about_as_fast():
+    costs = RoundCosts()
+    assert costs.widest_at_cost(8, 16) == 8  # nothing measured yet
+    for rows, seconds in ((1, 0.026), (4, 0.042), (8, 0.063), (12, 0.062), (16, 0.065)):
+        costs.observe(rows, seconds)
+    assert costs.widest_at_cost(8, 16) == 16
+    assert costs.widest_at_cost(8, 12) == 12  # never beyond the limit
+    assert costs.widest_at_cost(4, 16) == 4  # 8 rows cost 50% more than 4
+    assert costs.widest_at_cost(10, 16) == 16  # unmeasured 10 rows cost no less than the measured 8
+    costs.observe(16, 0.2)  # slower measurements pull the smoothed cost up
+    assert 0.065 < costs.seconds[16] < 0.2 and costs.widest_at_cost(8, 16) == 12
+
+
+def test_drafts_grow_only_into_rows_measured_near_free_and_never_after_misses():
+    costs = RoundCosts({2: 0.034, 8: 0.063, 16: 0.065})
+    assert grown_draft(7, 15, 0, costs) == 15
+    assert grown_draft(0, 15, 0, costs) == 0  # a stream whose drafts miss is not grown
+    assert grown_draft(1, 15, 0, costs) == 1  # 8 rows cost far more than 2
+    assert grown_draft(7, 11, 0, costs) == 7  # 16 rows would exceed the room
+    assert grown_draft(3, 11, 4, costs) == 11  # another stream's 4 rows share the frame: 8 -> 16 rows
+
+
+def test_a_lone_stream_drafts_into_a_block_the_chain_ran_as_fast():
+    """Frames of 8 and 16 rows measured alike: a stream that drafts 7 drafts 15 instead."""
+    s = Scheduler(SchedulerConfig(stages=1, rows_per_group=64, max_draft=15, draft_rows=16))
+    s.set_chain_ready(True)
+    s.submit(Request("a", (1, 2, 3, 4, 5, 6, 7, 8), SamplingParams(max_tokens=40)))
+    (prefill,) = s.next_frames()
+    s.on_frame_done(prefill.id, {"a": 9}, seconds=0.06)  # an 8-row frame
+    s._active["a"].accepted_ema = 3.0  # recent rounds accepted their drafts
+    (wanted,) = s.drafts_wanted()
+    assert wanted.k == 7
+    s.set_draft("a", list(range(10, 17)))
+    (verify,) = s.next_frames()
+    s.on_frame_done(verify.id, {"a": list(range(10, 18))}, seconds=0.061)  # all 7 accepted, 8 rows again
+    assert s.round_costs.widest_at_cost(8, 16) == 8  # 16 rows never measured: no growth yet
+    s.round_costs.observe(16, 0.063)
+    (wanted,) = s.drafts_wanted()
+    assert wanted.k == 15
 
 
 def test_penalised_and_seeded_sampling_requests_are_not_speculated():

@@ -34,6 +34,7 @@ FAMILIES: dict[str, str] = {
     "pattern": "Continue the sequence: red, green, blue, red, green, blue, red, green, blue, red,",
     "free": "Write a short story about a dragon who learns to bake bread.",
 }
+VERIFY_SIZES = (2, 4, 8, 12, 16)  # rows of a verify block: 1 to 15 drafted tokens
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ async def _run(config: SpecBenchConfig, driver, codec, console: Console) -> dict
 
 
 def run_spec_bench(config: SpecBenchConfig, console: Console) -> dict[str, Any]:
+    from cascadia.bench.verify import measure_verify_cost
     from cascadia.draft.client import LocalProposer
     from cascadia.gateway.text import TextCodec
     from cascadia.router.local import LocalFleet
@@ -141,6 +143,8 @@ def run_spec_bench(config: SpecBenchConfig, console: Console) -> dict[str, Any]:
         results = asyncio.run(go())
     finally:
         fleet.stop()
+    # measured after the fleet stops, so the one process has the cores to itself
+    results["verify_cost"] = measure_verify_cost(config.model, VERIFY_SIZES, 5 * config.repeats, console)
     summary = {
         "model": config.model.name,
         "shards": config.shards,
@@ -163,13 +167,19 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     families = list(summary["families"])
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     axes[0].bar(families, [summary["families"][f]["speedup"] for f in families])
     axes[0].axhline(1.0, color="grey", linewidth=1)
     axes[0].set_ylabel("decode speedup, one stream (x)")
     aggregate = summary["aggregate"]
     axes[1].bar(["off", "on"], [aggregate["off"]["tokens_per_s"], aggregate["on"]["tokens_per_s"]])
     axes[1].set_ylabel(f"aggregate tok/s, {aggregate['on']['streams']} streams")
+    cost = summary["verify_cost"]
+    for key, label in (("steady_vs_one_row", "back to back"), ("after_one_row_vs_one_row", "after a one-row step")):
+        axes[2].plot([int(r) for r in cost[key]], list(cost[key].values()), marker="o", label=label)
+    axes[2].set_xlabel("rows of one stream's step (drafts + 1)")
+    axes[2].set_ylabel("step time / one-row step, one process")
+    axes[2].legend()
     fig.suptitle(f"Speculative decoding on {summary['model']} across {summary['shards']} shards")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

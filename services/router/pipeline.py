@@ -196,7 +196,7 @@ class PipelineDriver:
     def on_result(self, result) -> None:
         if result.frame_id == CLOSE_ONLY_FRAME:
             return
-        self._sent_at.pop(result.frame_id, None)
+        sent_at = self._sent_at.pop(result.frame_id, None)
         if result.error:
             failed = self.scheduler.on_frame_failed(result.frame_id)
             self._closes.extend(failed)  # the other stages still hold their state
@@ -207,7 +207,8 @@ class PipelineDriver:
                 sampled.setdefault(t.stream, []).append(t)
             tokens = {s: [t.token for t in ts] for s, ts in sampled.items()}
             mtp = {s: list(ts[-1].draft) for s, ts in sampled.items() if ts[-1].draft}
-            for event in self.scheduler.on_frame_done(result.frame_id, tokens, mtp):
+            seconds = time.monotonic() - sent_at if sent_at is not None else None
+            for event in self.scheduler.on_frame_done(result.frame_id, tokens, mtp, seconds):
                 self._emit(event, sampled[event.stream].pop(0))
             for v in self.scheduler.verified:
                 self.spec_stats["rounds"] += 1

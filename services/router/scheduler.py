@@ -209,9 +209,46 @@ def draft_length(streams: int, rows_per_group: int, max_draft: int, accepted_ema
     return max(0, min(max_draft, room, adaptive))
 
 
+@dataclass
+class RoundCosts:
+    """Measured seconds of a frame by its rows, smoothed: what the chain charges for rows on this device."""
+
+    seconds: dict[int, float] = field(default_factory=dict)
+    smoothing: float = 0.25  # weight of the newest measurement
+
+    def observe(self, rows: int, seconds: float) -> None:
+        was = self.seconds.get(rows)
+        self.seconds[rows] = seconds if was is None else was + self.smoothing * (seconds - was)
+
+    def widest_at_cost(self, rows: int, limit: int, tolerance: float = 0.1) -> int:
+        """The most rows, up to `limit`, of a frame measured at no more than `tolerance` above the
+        widest measured frame of at most `rows` (a frame of `rows` costs no less, as rows only add
+        work); `rows` itself when nothing qualifies."""
+        narrower = [r for r in self.seconds if r <= rows]
+        if not narrower:
+            return rows
+        ceiling = self.seconds[max(narrower)] * (1 + tolerance)
+        cheap = [r for r, s in self.seconds.items() if rows < r <= limit and s <= ceiling]
+        return max(cheap, default=rows)
+
+
+def grown_draft(k: int, cap: int, other_rows: int, costs: RoundCosts) -> int:
+    """`k` drafted tokens, or up to `cap` when a frame with them was measured (nearly) as fast.
+
+    On a CPU a step's time rises in steps with its rows, not per row (the kernels work on tiles of
+    rows), so once a verify block has paid for a tile the rest of it verifies almost free
+    (`cascadia bench spec` reports the step time by rows). Drafting starts from the acceptance-based
+    `k`, so a stream whose drafts miss is never grown.
+    """
+    if k <= 0 or cap <= k:
+        return k
+    return costs.widest_at_cost(other_rows + k + 1, other_rows + cap + 1) - other_rows - 1
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
+        self.round_costs = RoundCosts()
         self._queue: deque[Request] = deque()
         self._active: dict[RequestId, _Stream] = {}
         self._in_flight: dict[int, Frame] = {}
@@ -245,12 +282,16 @@ class Scheduler:
         frame_id: int,
         tokens: dict[RequestId, int | Sequence[int]],
         mtp_drafts: dict[RequestId, Sequence[int]] | None = None,
+        seconds: float | None = None,
     ) -> list[Emitted]:
         """The last stage's tokens for a frame (several for a verified block); returns what each stream emitted.
 
-        `mtp_drafts` holds the MTP head's continuations after each stream's last token.
+        `mtp_drafts` holds the MTP head's continuations after each stream's last token; `seconds`, the
+        frame's time on the chain, teaches the draft lengths what rows cost.
         """
         frame = self._in_flight.pop(frame_id)
+        if seconds is not None:
+            self.round_costs.observe(frame.size, seconds)
         emitted = []
         self.verified = []
         for row in frame.rows:
@@ -310,10 +351,10 @@ class Scheduler:
             if stream.busy or stream.draft or not speculable(stream.request):
                 continue
             left = stream.request.params.max_tokens - len(stream.generated)
-            k = min(
-                draft_length(self._load(), self.config.draft_room, self.config.max_draft, stream.accepted_ema),
-                left - 1,
-            )
+            load = self._load()
+            cap = min(self.config.max_draft, self.config.draft_room // load - 1, left - 1)
+            k = min(draft_length(load, self.config.draft_room, self.config.max_draft, stream.accepted_ema), left - 1)
+            k = grown_draft(k, cap, load - 1, self.round_costs)
             if k > 0:
                 context = stream.request.prompt + tuple(stream.generated)
                 wanted.append(DraftWanted(stream.request.id, context, k, stream.mtp_draft[:k]))
