@@ -78,6 +78,34 @@ def test_sixty_four_concurrent_streams_each_get_the_ids_they_get_alone(fleet_of,
     assert [r.tokens for r in results] == [solo(r) for r in requests]
 
 
+def test_stage_stats_account_every_frame_and_the_chain_costs_add_up(fleet_of):
+    """Stats from every real stage before and after a run: each stage computed every frame once, and
+    with one frame on the chain a frame's time covers the stages' busy time."""
+    from cascadia.bench.peer import chain_costs
+
+    fleet = fleet_of(3)
+
+    async def go():
+        driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, fleet.scheduler_config())
+        await driver.start()
+        try:
+            await driver.wait_ready(timeout=120)
+            before, started = await driver.stage_stats(), time.perf_counter()
+            await asyncio.gather(*(driver.generate(r) for r in prompts(4, seed=5)))
+            elapsed = time.perf_counter() - started
+            return before, await driver.stage_stats(), elapsed
+        finally:
+            await driver.stop()
+
+    before, after, elapsed = asyncio.run(go())
+    frames = [b.frames_computed - a.frames_computed for a, b in zip(before, after, strict=True)]
+    assert len(set(frames)) == 1 and frames[0] >= 8  # 8 tokens each: at least 8 frames, on every stage
+    costs = chain_costs(before, after, elapsed)
+    assert costs["frames"] == frames[0] and len(costs["stage_ms"]) == 3
+    assert all(ms > 0 for ms in costs["stage_ms"]) and costs["chain_ms"] >= 0
+    assert costs["frame_ms"] * costs["frames"] == pytest.approx(elapsed * 1e3)
+
+
 def test_malformed_frames_are_refused_and_the_shard_keeps_serving(fleet_of, solo):
     fleet = fleet_of(2)
     requests = prompts(2, seed=3)

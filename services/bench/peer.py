@@ -14,7 +14,7 @@ import functools
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,6 +116,17 @@ async def _time_fleet(driver, prompt_ids: list[int], streams: int, new_tokens: i
     return Timing(ttft, after / (end - decode_start) if after else 0.0)
 
 
+def chain_costs(before: Sequence[Any], after: Sequence[Any], seconds: float) -> dict[str, Any]:
+    """Where a run's frame time went, from every stage's `Stats` before and after it: each stage's
+    busy ms per frame, and what is left for the hops and the router."""
+    frames = after[0].frames_computed - before[0].frames_computed
+    if frames <= 0:
+        return {"frames": 0}
+    stages = [(b.compute_seconds - a.compute_seconds) / frames * 1e3 for a, b in zip(before, after, strict=True)]
+    frame_ms = seconds / frames * 1e3
+    return {"frames": frames, "frame_ms": frame_ms, "stage_ms": stages, "chain_ms": frame_ms - sum(stages)}
+
+
 def _interleaved(contenders: dict[str, Callable[[int], Timing]], streams: tuple[int, ...], repeats: int):
     """Each stream count: one warm-up each, then `repeats` rounds that run every contender once in turn,
     so a slow spell of this shared machine falls on all of them alike. Medians per contender."""
@@ -179,6 +190,19 @@ def run_peer_bench(config: PeerBenchConfig, console: Console) -> dict[str, Any]:
     return summary
 
 
+def _median_costs(costs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure of `chain_costs` as its median over the runs."""
+    costs = [c for c in costs if c["frames"]]
+    if not costs:
+        return {}
+    return {
+        "frames": statistics.median(c["frames"] for c in costs),
+        "frame_ms": statistics.median(c["frame_ms"] for c in costs),
+        "stage_ms": [statistics.median(c["stage_ms"][i] for c in costs) for i in range(len(costs[0]["stage_ms"]))],
+        "chain_ms": statistics.median(c["chain_ms"] for c in costs),
+    }
+
+
 def _ratios(ours: dict[str, Any], genai: dict[str, Any]) -> dict[str, float]:
     return {n: ours[n]["decode_tokens_per_s"] / genai[n]["decode_tokens_per_s"] for n in ours}
 
@@ -202,11 +226,15 @@ def _run_fleet(config: PeerBenchConfig, prompt_ids: list[int], console: Console,
             for n in config.streams:
                 await _time_fleet(driver, prompt_ids, n, config.new_tokens, f"warm-{n}")
                 runs: dict[str, list[Timing]] = {name: [], "genai": []}
+                costs = []
                 for i in range(config.repeats):
                     runs["genai"].append(time_genai(pipe, PROMPT, n, config.new_tokens))
+                    before, started = await driver.stage_stats(), time.perf_counter()
                     runs[name].append(await _time_fleet(driver, prompt_ids, n, config.new_tokens, f"run-{n}-{i}"))
+                    costs.append(chain_costs(before, await driver.stage_stats(), time.perf_counter() - started))
                 for key, timings in runs.items():
                     results[key][str(n)] = _median(timings)
+                results[name][str(n)]["chain"] = _median_costs(costs)
             return results
         finally:
             await driver.stop()

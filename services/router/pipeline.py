@@ -123,6 +123,11 @@ class PipelineDriver:
                 raise RequestFailed(f"stages {missing} are not serving after {timeout:.0f} s")
             await asyncio.sleep(0.1)
 
+    async def stage_stats(self) -> list:
+        """Every stage's `Stats` (open streams, state bytes, busy seconds, frames computed), in chain order."""
+        calls = (rpc.ShardStub(c).Stats(pb.StatsRequest(), timeout=5) for c in self._channels)
+        return list(await asyncio.gather(*calls))
+
     async def stage_health(self) -> list[bool]:
         async def one(channel: grpc.aio.Channel) -> bool:
             try:
