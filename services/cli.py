@@ -1144,9 +1144,12 @@ def bench_spec(
 ) -> None:
     """Per-request speedup and acceptance of speculative decoding by prompt family, and the aggregate rate."""
     from cascadia.bench.spec import SpecBenchConfig, run_spec_bench
+    from cascadia.router.local import LocalFleet
 
-    if max_draft is not None and draft_rows is not None and max_draft >= draft_rows:
-        raise fail(f"--max-draft {max_draft} must be below --draft-rows {draft_rows}")
+    rows = draft_rows or LocalFleet(Path(model), shards).scheduler_config().draft_room
+    if max_draft is not None and max_draft >= rows:
+        given = "" if draft_rows else " (the local fleet's)"
+        raise fail(f"--max-draft {max_draft} must be below --draft-rows {rows}{given}")
     path = resolve_model(model)
     config = SpecBenchConfig(path, out, shards, new_tokens, repeats, streams, max_draft, draft_rows)
     summary = run_spec_bench(config, err)

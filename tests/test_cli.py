@@ -92,3 +92,17 @@ def test_shard_memory_probe_refuses_a_context_that_cannot_fit(tiny):
     from cascadia.planner import positions_that_fit
 
     assert positions_that_fit(1 << 20, 64, 8) == 2048 == 2 * positions_that_fit(1 << 20, 128, 8)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--max-draft", "16", "--draft-rows", "16"], "--max-draft 16 must be below --draft-rows 16"),
+        (["--max-draft", "20"], "--max-draft 20 must be below --draft-rows 16 (the local fleet's)"),
+    ],
+)
+def test_bench_spec_refuses_a_draft_that_does_not_fit_its_rows(tmp_path, args, message):
+    done = cascadia("bench", "spec", "--out", str(tmp_path), *args)
+    assert done.returncode == 2
+    assert message in done.stderr.replace("\n", " ")
+    assert not any(tmp_path.iterdir())  # refused before any fleet started
