@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import sys
 from pathlib import Path
@@ -112,6 +113,7 @@ def parse_prompt_ids(text: str) -> list[int]:
 
 def load_engine(model_dir: Path, settings, start: int | None = None, end: int | None = None):
     from cascadia.engine.engine import StageEngine
+    from cascadia.engine.memory import release_unused_memory
     from cascadia.model.loader import load_shape, load_stage
 
     shape = load_shape(model_dir)
@@ -125,7 +127,12 @@ def load_engine(model_dir: Path, settings, start: int | None = None, end: int | 
         def tick(what: str, done: int, total: int) -> None:
             bar.update(task, description=f"compiling {what}", completed=done, total=total)
 
-        return StageEngine(weights, settings, progress=tick)
+        # the compiled stage holds its own copy: the file's arrays and compile-time buffers can go
+        reload = functools.partial(load_stage, model_dir, start, end)
+        engine = StageEngine(weights, settings, progress=tick, reload=reload)
+        del weights
+        release_unused_memory()
+        return engine
 
 
 @app.command()

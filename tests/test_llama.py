@@ -480,3 +480,31 @@ def test_paged_last_stage_logits_come_from_its_one_call_and_agree_with_the_head(
     with pytest.raises(ValueError, match="logit rows"):
         engine.step([Segment("s", 12, 1)], ids[:1], np.array([1]))
     assert engine.position("s") == 12  # the refused step left the stream where it was
+
+
+def test_models_compiled_when_first_needed_read_the_weights_again_and_agree(tiny_llama):
+    """An engine given `reload` keeps no weights for its trace model and lone head: it reads them again
+    the first time each is needed, and computes what an engine that kept them computes."""
+    shape = load_shape(tiny_llama)
+    reads: list[int] = []
+
+    def reload():
+        reads.append(1)
+        return load_stage(tiny_llama, 0, shape.num_layers)
+
+    settings = EngineSettings(llama_attention="paged")
+    lean = StageEngine(load_stage(tiny_llama, 0, shape.num_layers), settings, reload=reload)
+    kept = StageEngine(load_stage(tiny_llama, 0, shape.num_layers), settings)
+    assert reads == []
+    ids = np.random.default_rng(12).integers(3, 300, size=12)
+    traces: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
+    steps = []
+    for engine, trace in zip((lean, kept), traces, strict=True):
+        engine.open("s")
+        steps.append(engine.step([Segment("s", 0, 12)], ids, trace=trace))
+    assert len(reads) == 1 and len(traces[0]) == shape.num_layers
+    for ours, theirs in zip(*traces, strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)
+    heads = [engine.head_logits(step.hidden[[2, 11]]) for engine, step in zip((lean, kept), steps, strict=True)]
+    assert len(reads) == 2
+    np.testing.assert_allclose(heads[0], heads[1], rtol=1e-6, atol=1e-6)

@@ -199,7 +199,15 @@ def _infer(
 class StageEngine:
     """Layers [start, end) of one checkpoint; the first stage also embeds, the last also runs the head."""
 
-    def __init__(self, weights: StageWeights, settings: EngineSettings, progress: Progress | None = None) -> None:
+    def __init__(
+        self,
+        weights: StageWeights,
+        settings: EngineSettings,
+        progress: Progress | None = None,
+        reload: Callable[[], StageWeights] | None = None,
+    ) -> None:
+        """`reload` reads the same weights again (e.g. `functools.partial(load_stage, path, start, end)`)
+        for models compiled only when first needed; without it the engine keeps `weights` for them."""
         self.shape = weights.shape
         self.settings = settings
         self.start_layer, self.end_layer = weights.start_layer, weights.end_layer
@@ -233,27 +241,40 @@ class StageEngine:
         # each request has bound
         self._traced_request: ov.InferRequest | None = None
         self._bound_pool: dict[int, int] = {}
+        # models compiled later (a trace's per-layer outputs, the head alone) are built from the weights
+        # read again when `reload` says how, so that once compiled the engine holds no copy of them
+        again: Callable[[], StageWeights] = reload if reload is not None else (lambda: weights)
         if self.shape.family == "llama" and not settings.split_expert_graph:
             # small dense layers: one compiled model for the whole range, so a step is one call
-            build = llama_graphs.paged_stage_graph if settings.paged_attention else llama_graphs.stage_graph
-            stage = functools.partial(
-                build,
-                self.shape,
-                weights.layers,
-                settings.attention_weights,
-                settings.expert_weights,
-                settings.dense_ffn_path,
-                kv_type=settings.kv_precision,
-            )
             if settings.paged_attention:
-                # the last stage ends in the head too: one call per step, not two
-                if self.is_last:
-                    head = llama_graphs.StageHead(weights.final_norm, weights.head, settings.head_weights)
-                    stage = functools.partial(stage, head=head)
-                traced = stage
-                self._compile_traced = lambda: core.compile_model(traced(), settings.device, residual_cfg)
-                stage = functools.partial(stage, layer_outputs=False)
-            self._stage_model = core.compile_model(stage(), settings.device, residual_cfg)
+
+                def stage(w: StageWeights, layer_outputs: bool) -> ov.Model:
+                    # the last stage ends in the head too: one call per step, not two
+                    head = llama_graphs.StageHead(w.final_norm, w.head, settings.head_weights) if self.is_last else None
+                    return llama_graphs.paged_stage_graph(
+                        self.shape,
+                        w.layers,
+                        settings.attention_weights,
+                        settings.expert_weights,
+                        settings.dense_ffn_path,
+                        settings.kv_precision,
+                        layer_outputs,
+                        head,
+                    )
+
+                self._compile_traced = lambda: core.compile_model(stage(again(), True), settings.device, residual_cfg)
+                model = stage(weights, False)
+            else:
+                model = llama_graphs.stage_graph(
+                    self.shape,
+                    weights.layers,
+                    settings.attention_weights,
+                    settings.expert_weights,
+                    settings.dense_ffn_path,
+                    settings.kv_precision,
+                )
+            self._stage_model = core.compile_model(model, settings.device, residual_cfg)
+            del model
             self._stage_request = self._stage_model.create_infer_request()
             if settings.paged_attention:
                 a = self.shape.layer_attention(weights.layers[0].index)
@@ -267,10 +288,14 @@ class StageEngine:
                 self._layers.append(_Layer(core, self.shape, layer, settings))
                 tick(f"layer {layer.index}")
         if self.is_last:
-            model = graphs.head_graph(self.shape, weights.final_norm, weights.head, settings.head_weights)
-            self._compile_head = lambda: core.compile_model(model, settings.device, residual_cfg)
+
+            def head_model(w: StageWeights) -> ov.CompiledModel:
+                model = graphs.head_graph(self.shape, w.final_norm, w.head, settings.head_weights)
+                return core.compile_model(model, settings.device, residual_cfg)
+
+            self._compile_head = lambda: head_model(again())
             if self._pool is None:  # a paged stage's graph has the head; this one serves `head_logits`
-                self._head = self._compile_head().create_infer_request()
+                self._head = head_model(weights).create_infer_request()
             tick("head")
         self._windows = tuple(layer.attention.window for layer in self._layers)
         # cached keys nearer than this may carry a relative bias on global layers; farther ones are read
