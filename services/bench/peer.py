@@ -185,6 +185,13 @@ def run_peer_bench(config: PeerBenchConfig, console: Console) -> dict[str, Any]:
         summary["results"]["genai-beside-fleet"] = beside["genai"]
         ratios[fleet_name] = _ratios(beside[fleet_name], beside["genai"])
     summary["ratios"] = ratios
+    with console.status("resident memory of the whole model and of each shard's range"):
+        from cascadia.bench.resident import measure_resident
+        from cascadia.router.local import local_ranges
+
+        ranges = [(0, shape.num_layers), *(local_ranges(config.model, config.shards) if config.shards else [])]
+        summary["resident"] = measure_resident(config.model, ranges)
+    console.print(f"resident memory (MiB): {summary['resident']}")
     (config.out / "peer.json").write_text(json.dumps(summary, indent=2) + "\n")
     _plot(summary, config.out / "peer.png")
     return summary
