@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cascadia.engine.batch import Segment, plan_step
+from cascadia.engine.batch import Segment, far_block_count, plan_step
 
 
 def test_rows_are_laid_out_segment_after_segment():
@@ -86,6 +86,23 @@ def test_with_no_bias_band_every_cached_key_is_far_and_the_band_is_the_step_itse
     assert np.isfinite(keys.key_mask).tolist() == [[True, False], [True, True]]
     fresh = plan_step([Segment("a", 0, 1)], kernel=4, windows=[None], global_band=0, far_block=4).keys[None]
     assert fresh.far_blocks == 1 and not np.isfinite(fresh.far_mask).any()
+
+
+def test_far_blocks_grow_in_steps_of_at_most_an_eighth():
+    counts = [far_block_count(n) for n in range(1, 1025)]
+    assert counts[:8] == list(range(1, 9))
+    assert all(n <= c <= n + n / 8 for n, c in zip(range(1, 1025), counts, strict=True))
+    assert counts == sorted(counts)
+    # a history growing from 512 to 1024 blocks changes the far input's shape 8 times, not 512
+    assert len(set(counts[512:1024])) == 8
+
+
+def test_a_long_history_reads_padded_far_blocks_that_are_wholly_masked():
+    keys = plan_step([Segment("a", 1300, 1)], kernel=4, windows=[None], global_band=2, far_block=4).keys[None]
+    assert keys.far_keys.tolist() == [1298]
+    assert keys.far_blocks == far_block_count(325) == 352
+    assert keys.far_mask is not None
+    assert np.isfinite(keys.far_mask).sum() == 1298 and np.isfinite(keys.far_mask[0, :1298]).all()
 
 
 def test_without_a_far_region_every_cached_key_is_in_the_band():

@@ -135,6 +135,20 @@ def plan_step(
     )
 
 
+def far_block_count(blocks: int) -> int:
+    """How many cache blocks a step reads as far keys when `blocks` hold them: rounded up (by at most
+    an eighth) so that a growing history changes the step's input shapes only eight times per doubling.
+
+    The CPU plugin plans and allocates a dynamic model's intermediate tensors again whenever an input
+    shape changes; over a long history that cost more than the attention itself (padding blocks are
+    masked, and cost far less).
+    """
+    if blocks <= 8:
+        return blocks
+    step = 1 << (blocks.bit_length() - 4)
+    return -(-blocks // step) * step
+
+
 def _key_plan(
     starts: np.ndarray,
     lengths: np.ndarray,
@@ -158,7 +172,7 @@ def _key_plan(
     past_positions = np.where(in_near, first[:, None] + far[:, None] + slot[None, :] - near_start[:, None], -1)
     far_blocks, far_mask = 0, None
     if band is not None:  # global layers: far keys are positions 0 .. far - 1, read in cache blocks
-        far_blocks = max(1, -(-int(far.max()) // block))
+        far_blocks = far_block_count(max(1, -(-int(far.max()) // block)))
         position = np.arange(far_blocks * block)
         far_mask = np.where(position[None, :] < far[:, None], np.float32(0.0), NEG_INF).astype(np.float32)
 

@@ -167,11 +167,16 @@ def segment_attention(
         keys_far = ops.unsqueeze(as_f32(far.keys), _i64(3))  # [S, N, Hkv, 1, B, D]
         values_far = ops.unsqueeze(as_f32(far.values), _i64(3))
         scores = ops.matmul(block_queries, keys_far, False, True)
-        scores = ops.add(scores, ops.reshape(far.mask, _i64(0, -1, 1, 1, 1, far.block), True))
-        # reduced over slots, then blocks: the CPU's kernels for one trailing axis are vectorised
-        far_top = ops.reduce_max(ops.reduce_max(scores, _i64(5), True), _i64(1), False)  # [S, Hkv, G, W, 1]
+        slot_mask = ops.reshape(far.mask, _i64(0, -1, 1, 1, 1, far.block), True)  # [S, N, 1, 1, 1, B]
+        # The maximum only keeps exp() in range, so it is taken per block before any mask: a block's
+        # masked slots hold keys of the same stream (the band's, or rewound ones), whose scores are of
+        # the same size. Only wholly masked blocks (padding) are left out. The slot mask then joins the
+        # subtraction and exp() in one pass over the scores instead of a pass of its own.
+        block_top = ops.reduce_max(scores, _i64(5), True)  # [S, N, Hkv, G, W, 1]
+        block_top = ops.add(block_top, ops.reduce_max(slot_mask, _i64(5), True))
+        far_top = ops.reduce_max(block_top, _i64(1), False)  # [S, Hkv, G, W, 1]
         top = ops.maximum(far_top, ops.reduce_max(band, _i64(-1), True))
-        scores = ops.exp(ops.subtract(scores, ops.unsqueeze(top, _i64(1))))
+        scores = ops.exp(ops.subtract(ops.add(scores, slot_mask), ops.unsqueeze(top, _i64(1))))
         band = ops.exp(ops.subtract(band, top))
         total = ops.add(
             ops.reduce_sum(ops.reduce_sum(scores, _i64(5), True), _i64(1), False), ops.reduce_sum(band, _i64(-1), True)
