@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cascadia.engine.batch import Segment, far_block_count, plan_step
+from cascadia.engine.batch import Segment, steady_size, plan_step
 
 
 def test_rows_are_laid_out_segment_after_segment():
@@ -89,7 +89,7 @@ def test_with_no_bias_band_every_cached_key_is_far_and_the_band_is_the_step_itse
 
 
 def test_far_blocks_grow_in_steps_of_at_most_an_eighth():
-    counts = [far_block_count(n) for n in range(1, 1025)]
+    counts = [steady_size(n) for n in range(1, 1025)]
     assert counts[:8] == list(range(1, 9))
     assert all(n <= c <= n + n / 8 for n, c in zip(range(1, 1025), counts, strict=True))
     assert counts == sorted(counts)
@@ -100,9 +100,18 @@ def test_far_blocks_grow_in_steps_of_at_most_an_eighth():
 def test_a_long_history_reads_padded_far_blocks_that_are_wholly_masked():
     keys = plan_step([Segment("a", 1300, 1)], kernel=4, windows=[None], global_band=2, far_block=4).keys[None]
     assert keys.far_keys.tolist() == [1298]
-    assert keys.far_blocks == far_block_count(325) == 352
+    assert keys.far_blocks == steady_size(325) == 352
     assert keys.far_mask is not None
     assert np.isfinite(keys.far_mask).sum() == 1298 and np.isfinite(keys.far_mask[0, :1298]).all()
+
+
+def test_a_growing_band_is_padded_to_steady_sizes_but_never_beyond_what_the_window_holds():
+    keys = plan_step([Segment("a", 19, 1)], kernel=4, windows=[32]).keys[32]
+    assert keys.past_positions.tolist() == [[-1, -1, *range(19)]]
+    assert np.isfinite(keys.key_mask).sum() == 19 + 1
+    assert keys.key_distance[0, 0] == -1
+    full = plan_step([Segment("a", 40, 1)], kernel=4, windows=[32]).keys[32]
+    assert full.past_positions.tolist() == [[-1, *range(9, 40)]]
 
 
 def test_without_a_far_region_every_cached_key_is_in_the_band():

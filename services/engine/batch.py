@@ -135,18 +135,18 @@ def plan_step(
     )
 
 
-def far_block_count(blocks: int) -> int:
-    """How many cache blocks a step reads as far keys when `blocks` hold them: rounded up (by at most
-    an eighth) so that a growing history changes the step's input shapes only eight times per doubling.
+def steady_size(count: int, most: int | None = None) -> int:
+    """A count of keys or key blocks rounded up (by at most an eighth, and not beyond `most`) so that a
+    growing history changes a step's input shapes only eight times per doubling.
 
     The CPU plugin plans and allocates a dynamic model's intermediate tensors again whenever an input
-    shape changes; over a long history that cost more than the attention itself (padding blocks are
-    masked, and cost far less).
+    shape changes: with a band or far region one key or block longer at every step, that re-planning
+    cost as much as the attention itself. The padding is masked, and costs far less.
     """
-    if blocks <= 8:
-        return blocks
-    step = 1 << (blocks.bit_length() - 4)
-    return -(-blocks // step) * step
+    if count > 8:
+        step = 1 << (count.bit_length() - 4)
+        count = -(-count // step) * step
+    return count if most is None else min(count, most)
 
 
 def _key_plan(
@@ -164,6 +164,8 @@ def _key_plan(
     near_slots = int(counts.max()) if band is None else min(band, int(counts.max()))
     near = np.minimum(counts, near_slots)
     far = counts - near
+    most = band if band is not None else (None if window is None else window - 1)
+    near_slots = steady_size(near_slots, most)
     # slot 0 is always padding; the near keys are right-aligned, so a band slot means the same
     # distance for every stream
     slot = np.arange(1 + near_slots)
@@ -172,7 +174,7 @@ def _key_plan(
     past_positions = np.where(in_near, first[:, None] + far[:, None] + slot[None, :] - near_start[:, None], -1)
     far_blocks, far_mask = 0, None
     if band is not None:  # global layers: far keys are positions 0 .. far - 1, read in cache blocks
-        far_blocks = far_block_count(max(1, -(-int(far.max()) // block)))
+        far_blocks = steady_size(max(1, -(-int(far.max()) // block)))
         position = np.arange(far_blocks * block)
         far_mask = np.where(position[None, :] < far[:, None], np.float32(0.0), NEG_INF).astype(np.float32)
 
