@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cascadia.engine.batch import Segment, steady_size, plan_step
+from cascadia.engine.batch import Segment, plan_step, steady_size
 
 
 def test_rows_are_laid_out_segment_after_segment():
