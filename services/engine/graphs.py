@@ -168,13 +168,7 @@ def segment_attention(
         values_far = ops.unsqueeze(as_f32(far.values), _i64(3))
         scores = ops.matmul(block_queries, keys_far, False, True)
         slot_mask = ops.reshape(far.mask, _i64(0, -1, 1, 1, 1, far.block), True)  # [S, N, 1, 1, 1, B]
-        # The maximum only keeps exp() in range, so it is taken per block before any mask: a block's
-        # masked slots hold keys of the same stream (the band's, or rewound ones), whose scores are of
-        # the same size. Only wholly masked blocks (padding) are left out. The slot mask then joins the
-        # subtraction and exp() in one pass over the scores instead of a pass of its own.
-        block_top = ops.reduce_max(scores, _i64(5), True)  # [S, N, Hkv, G, W, 1]
-        block_top = ops.add(block_top, ops.reduce_max(slot_mask, _i64(5), True))
-        far_top = ops.reduce_max(block_top, _i64(1), False)  # [S, Hkv, G, W, 1]
+        far_top = _far_maximum(scores, far.mask, slot_mask, far.block)  # [S, Hkv, G, W, 1]
         top = ops.maximum(far_top, ops.reduce_max(band, _i64(-1), True))
         scores = ops.exp(ops.subtract(ops.add(scores, slot_mask), ops.unsqueeze(top, _i64(1))))
         band = ops.exp(ops.subtract(band, top))
@@ -187,6 +181,25 @@ def segment_attention(
     context = ops.transpose(context, _i64(0, 3, 1, 2, 4))  # [S, W, Hkv, G, D]
     context = ops.reshape(context, _i64(-1, kv_heads * groups * head_dim), False)
     return ops.gather(context, row_cells, _i64(0))
+
+
+def _far_maximum(scores: Node, mask: Node, slot_mask: Node, block: int) -> Node:
+    """The row maximum over far keys [S, Hkv, G, W, 1] of block scores [S, N, Hkv, G, W, B], exact,
+    without a masked copy of the scores.
+
+    A stream's far keys are its first positions, so its blocks are full, then at most one partial
+    block, then wholly masked padding. Full blocks are reduced as they are; only the partial block is
+    taken out and masked. The slot mask can then join the subtraction and exp() in one pass over the
+    scores instead of a pass of its own.
+    """
+    full_block = ops.reduce_min(slot_mask, _i64(5), True)  # [S, N, 1, 1, 1, 1]: 0 when every slot is a far key
+    top = ops.reduce_max(ops.add(ops.reduce_max(scores, _i64(5), True), full_block), _i64(1), False)
+    far_keys = ops.reduce_sum(ops.convert(ops.equal(mask, _f32(0.0)), "i64"), _i64(1), True)  # [S, 1]
+    last = ops.maximum(ops.subtract(ops.divide(ops.add(far_keys, _i64(block - 1)), _i64(block)), _i64(1)), _i64(0))
+    last_scores = ops.gather(scores, last, _i64(1), 1)  # [S, 1, Hkv, G, W, B]
+    last_mask = ops.gather(slot_mask, last, _i64(1), 1)  # [S, 1, 1, 1, 1, B]
+    last_top = ops.reduce_max(ops.add(last_scores, last_mask), _i64(5), True)  # [S, 1, Hkv, G, W, 1]
+    return ops.maximum(top, ops.squeeze(last_top, _i64(1)))
 
 
 def rms_norm(x: Node, weight: np.ndarray, eps: float) -> Node:
