@@ -250,8 +250,9 @@ def _generate_on_fleet(
     )
 
     async def go() -> Generation:
-        drafted = fleet.scheduler_config().longest_draft if speculate else 0
-        config = fleet.scheduler_config(max_draft=drafted, mtp_draft=mtp_depths)
+        config = fleet.scheduler_config()
+        if speculate:
+            config = config.speculating(mtp_draft=mtp_depths)
         driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, config, proposer=_proposer("local"))
         await driver.start()
         try:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cascadia.engine.batch import Segment, plan_step, steady_size
+from cascadia.engine.batch import Segment, plan_step
+from cascadia.engine.state import steady_size
 
 
 def test_rows_are_laid_out_segment_after_segment():

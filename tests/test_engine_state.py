@@ -221,6 +221,20 @@ def test_u8_kv_attends_exactly_over_its_dequantised_rows_in_about_a_quarter_of_t
     engine.close("rounded")
 
 
+def test_a_full_global_cache_holds_the_padded_far_blocks_a_step_reads_as_a_view():
+    """Near its budget a stream's far region is read in a steady block count beyond the budget's own
+    blocks; the cache keeps room for it, so the step reads its storage in place instead of a copy."""
+    from cascadia.engine.state import KV_BLOCK, GrowingRows, steady_size
+
+    cache = GrowingRows(81 * KV_BLOCK, (2, 4))
+    cache.reserve(81 * KV_BLOCK)
+    assert cache.capacity == 81 * KV_BLOCK
+    padded = steady_size(81)
+    assert padded == 88
+    blocks = cache.blocks(padded)
+    assert blocks.shape[0] == padded and np.shares_memory(blocks, cache.data)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "uint8"])
 def test_a_global_cache_grows_in_doubling_blocks_up_to_its_budget_and_keeps_its_rows(dtype):
     from cascadia.engine.kv_quant import dequantize

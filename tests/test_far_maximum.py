@@ -15,7 +15,7 @@ def _compiled() -> ov.CompiledModel:
     scores = ops.parameter([-1, -1, 2, 1, 3, BLOCK], ov.Type.f32, name="scores")
     mask = ops.parameter([-1, -1], ov.Type.f32, name="mask")
     slot_mask = ops.reshape(mask, ops.constant(np.array([0, -1, 1, 1, 1, BLOCK], np.int64)), True)
-    model = ov.Model([_far_maximum(scores, mask, slot_mask, BLOCK)], [scores, mask])
+    model = ov.Model([_far_maximum(scores, slot_mask, BLOCK)], [scores, mask])
     return ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
 
 

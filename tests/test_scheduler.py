@@ -193,3 +193,13 @@ def test_one_frame_in_flight_keeps_the_decoding_streams_in_one_batch():
     assert decode.size == 8
     with pytest.raises(ValueError, match="frames_in_flight"):
         SchedulerConfig(stages=3, frames_in_flight=-1)
+
+
+def test_a_speculating_schedule_drafts_as_long_as_a_lone_streams_block_has_room_for():
+    base = SchedulerConfig(stages=3, rows_per_group=64, draft_rows=16)
+    assert base.speculating().max_draft == 15
+    assert base.speculating(4, mtp_draft=2).max_draft == 4
+    assert base.speculating(4, mtp_draft=2).mtp_draft == 2
+    assert base.max_draft == 0  # the schedule it came from is unchanged
+    with pytest.raises(ValueError, match="max_draft"):
+        SchedulerConfig(stages=3, rows_per_group=8).speculating(8)

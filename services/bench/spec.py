@@ -134,8 +134,7 @@ def run_spec_bench(config: SpecBenchConfig, console: Console) -> dict[str, Any]:
     overrides: dict[str, int] = {"max_streams": config.streams}
     if config.draft_rows is not None:
         overrides["draft_rows"] = config.draft_rows
-    scheduler = fleet.scheduler_config(**overrides)
-    scheduler = fleet.scheduler_config(**overrides, max_draft=config.max_draft or scheduler.longest_draft)
+    scheduler = fleet.scheduler_config(**overrides).speculating(config.max_draft)
     fleet.start(log_dir=config.out)
 
     async def go() -> dict[str, Any]:

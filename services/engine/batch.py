@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cascadia.engine.state import KV_BLOCK
+from cascadia.engine.state import KV_BLOCK, steady_size
 
 NEG_INF = np.float32(-np.inf)
 
@@ -133,20 +133,6 @@ def plan_step(
         cell_rows.astype(np.int32),
         row_cells.astype(np.int32),
     )
-
-
-def steady_size(count: int, most: int | None = None) -> int:
-    """A count of keys or key blocks rounded up (by at most an eighth, and not beyond `most`) so that a
-    growing history changes a step's input shapes only eight times per doubling.
-
-    The CPU plugin plans and allocates a dynamic model's intermediate tensors again whenever an input
-    shape changes: with a band or far region one key or block longer at every step, that re-planning
-    cost as much as the attention itself. The padding is masked, and costs far less.
-    """
-    if count > 8:
-        step = 1 << (count.bit_length() - 4)
-        count = -(-count // step) * step
-    return count if most is None else min(count, most)
 
 
 def _key_plan(

@@ -168,7 +168,7 @@ def segment_attention(
         values_far = ops.unsqueeze(as_f32(far.values), _i64(3))
         scores = ops.matmul(block_queries, keys_far, False, True)
         slot_mask = ops.reshape(far.mask, _i64(0, -1, 1, 1, 1, far.block), True)  # [S, N, 1, 1, 1, B]
-        far_top = _far_maximum(scores, far.mask, slot_mask, far.block)  # [S, Hkv, G, W, 1]
+        far_top = _far_maximum(scores, slot_mask, far.block)  # [S, Hkv, G, W, 1]
         top = ops.maximum(far_top, ops.reduce_max(band, _i64(-1), True))
         scores = ops.exp(ops.subtract(ops.add(scores, slot_mask), ops.unsqueeze(top, _i64(1))))
         band = ops.exp(ops.subtract(band, top))
@@ -183,7 +183,7 @@ def segment_attention(
     return ops.gather(context, row_cells, _i64(0))
 
 
-def _far_maximum(scores: Node, mask: Node, slot_mask: Node, block: int) -> Node:
+def _far_maximum(scores: Node, slot_mask: Node, block: int) -> Node:
     """The row maximum over far keys [S, Hkv, G, W, 1] of block scores [S, N, Hkv, G, W, B], exact,
     without a masked copy of the scores.
 
@@ -194,7 +194,8 @@ def _far_maximum(scores: Node, mask: Node, slot_mask: Node, block: int) -> Node:
     """
     full_block = ops.reduce_min(slot_mask, _i64(5), True)  # [S, N, 1, 1, 1, 1]: 0 when every slot is a far key
     top = ops.reduce_max(ops.add(ops.reduce_max(scores, _i64(5), True), full_block), _i64(1), False)
-    far_keys = ops.reduce_sum(ops.convert(ops.equal(mask, _f32(0.0)), "i64"), _i64(1), True)  # [S, 1]
+    is_far_key = ops.convert(ops.equal(slot_mask, _f32(0.0)), "i64")
+    far_keys = ops.reshape(ops.reduce_sum(is_far_key, _i64(1, 5), False), _i64(-1, 1), False)  # [S, 1]
     last = ops.maximum(ops.subtract(ops.divide(ops.add(far_keys, _i64(block - 1)), _i64(block)), _i64(1)), _i64(0))
     last_scores = ops.gather(scores, last, _i64(1), 1)  # [S, 1, Hkv, G, W, B]
     last_mask = ops.gather(slot_mask, last, _i64(1), 1)  # [S, 1, 1, 1, 1, B]

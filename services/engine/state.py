@@ -77,7 +77,8 @@ class GrowingRows:
         blocks = self.data.shape[0]
         while blocks * KV_BLOCK < rows:
             blocks *= 2
-        return min(blocks, _blocks_for(self.limit))
+        # up to the steady size of the budget's blocks, so that the far blocks a step reads are a view
+        return min(blocks, steady_size(_blocks_for(self.limit)))
 
     def reserve(self, rows: int) -> int:
         """Grow to hold `rows` positions; returns the bytes added."""
@@ -131,6 +132,20 @@ class GrowingRows:
     @property
     def nbytes(self) -> int:
         return self.data.nbytes + (0 if self.params is None else self.params.nbytes)
+
+
+def steady_size(count: int, most: int | None = None) -> int:
+    """A count of keys or key blocks rounded up (by at most an eighth, and not beyond `most`) so that a
+    growing history changes a step's input shapes only eight times per doubling.
+
+    The CPU plugin plans and allocates a dynamic model's intermediate tensors again whenever an input
+    shape changes: with a band or far region one key or block longer at every step, that re-planning
+    cost as much as the attention itself. The padding is masked, and costs far less.
+    """
+    if count > 8:
+        step = 1 << (count.bit_length() - 4)
+        count = -(-count // step) * step
+    return count if most is None else min(count, most)
 
 
 def _blocks_for(rows: int) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from cascadia.engine.sampling import SamplingParams
@@ -55,6 +55,12 @@ class SchedulerConfig:
     def longest_draft(self) -> int:
         """Drafted tokens a lone stream's verify block has room for: the draft length to speculate with."""
         return self.draft_room - 1
+
+    def speculating(self, max_draft: int | None = None, mtp_draft: int = 0) -> SchedulerConfig:
+        """This schedule drafting `max_draft` tokens per round (default: `longest_draft`), `mtp_draft` of
+        them from the last stage's MTP head."""
+        drafted = self.longest_draft if max_draft is None else max_draft
+        return replace(self, max_draft=drafted, mtp_draft=mtp_draft)
 
     def __post_init__(self) -> None:
         for name in ("stages", "rows_per_group", "prefill_window", "max_streams"):
