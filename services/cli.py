@@ -825,9 +825,11 @@ def up(
     import subprocess
     import time
 
-    from cascadia.router.local import LocalFleet, free_port, local_ranges
+    from cascadia.router.local import LocalFleet, free_port, local_ranges, reserve_port
 
     model_dir = resolve_model(model)
+    for chosen in (port, router_port):
+        reserve_port(chosen)
     check_precision(precision)
     if speculation not in ("on", "off"):
         raise fail(f"--speculation '{speculation}' is not one of on, off")

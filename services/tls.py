@@ -45,6 +45,16 @@ def configured() -> Tls | None:
     return Tls.from_dir(Path(directory)) if directory else None
 
 
+def server(options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Server:
+    """A role's gRPC server, the only one on its port.
+
+    gRPC's default (SO_REUSEPORT) lets a second server bind a port already served and take a share of
+    its new connections: a shard started on a port the draft service had taken would answer the
+    router's health checks with UNIMPLEMENTED half the time instead of failing to start.
+    """
+    return grpc.aio.server(options=[*options, ("grpc.so_reuseport", 0)])
+
+
 def add_port(server: grpc.aio.Server, address: str) -> int:
     tls = configured()
     if tls is None:

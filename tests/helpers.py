@@ -1,9 +1,10 @@
-"""Waiting for real gRPC services in tests: the router's whole chain, any standard health service."""
+"""Waiting for real gRPC services in tests (the router's whole chain, any standard health service); their logs."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -37,3 +38,9 @@ async def serving(address: str, timeout: float = 60) -> None:
                 pass
             await asyncio.sleep(0.2)
     raise TimeoutError(f"{address} not serving")
+
+
+def print_logs(directory: Path, tail: int = 4000) -> None:
+    """The end of every process log in `directory`, for pytest to show when the test fails."""
+    for log in sorted(directory.glob("*.log")):
+        print(f"--- {log.name} ---\n{log.read_text(errors='replace')[-tail:]}")

@@ -29,6 +29,7 @@ from cascadia.model.checkpoint import load_stage
 from cascadia.model.config import load_shape
 from cascadia.router.local import free_port
 from cascadia.shard.service import pb, rpc
+from tests.helpers import print_logs
 
 pytestmark = pytest.mark.slow
 
@@ -62,12 +63,13 @@ def live(tiny, tmp_path_factory) -> Iterator[Live]:
         process = subprocess.Popen(cmd, env=env, stderr=out, stdout=out)
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_until_ready(base, process)
+        wait_until_ready(base, process, timeout=180)
         shards = re.search(r"shards on (\S+), (\S+);", (logs / "up.log").read_text()).groups()
         yield Live(base, f"127.0.0.1:{router_port}", list(shards), logs, TextCodec.from_directory(tiny))
     finally:
         process.terminate()
         process.wait(30)
+        print_logs(logs)
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ from cascadia.router.local import LocalFleet
 from cascadia.router.pipeline import PipelineDriver
 from cascadia.router.scheduler import Request, SchedulerConfig
 from cascadia.shard.service import pb, rpc
+from tests.helpers import print_logs
 
 
 def _pem(key) -> bytes:
@@ -141,7 +142,7 @@ def test_cascadia_up_runs_every_role_over_mutual_tls(tiny, tmp_path):
     with open(tmp_path / "up.log", "w") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=out)
     try:
-        wait_until_ready(f"http://127.0.0.1:{port}", process)
+        wait_until_ready(f"http://127.0.0.1:{port}", process, timeout=180)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=60)
         reply = client.completions.create(model=tiny.name, prompt=prompt, max_tokens=8, temperature=0)
         assert reply.usage.completion_tokens == 8
@@ -151,3 +152,5 @@ def test_cascadia_up_runs_every_role_over_mutual_tls(tiny, tmp_path):
     finally:
         process.terminate()
         process.wait(30)
+        print_logs(tmp_path)
+        print_logs(tmp_path / "logs")

@@ -18,6 +18,7 @@ import time
 import grpc
 import numpy as np
 
+from cascadia import tls
 from cascadia.router.netem import EmulatedNetwork, LinkShape
 from cascadia.shard.service import CHANNEL_OPTIONS, pb, rpc
 
@@ -34,7 +35,7 @@ class FrameSink(rpc.ShardServicer):
 
 
 async def start_sink(listen: str) -> grpc.aio.Server:
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    server = tls.server(CHANNEL_OPTIONS)
     rpc.add_ShardServicer_to_server(FrameSink(), server)
     server.add_insecure_port(listen)
     await server.start()

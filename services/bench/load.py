@@ -141,18 +141,21 @@ def fleet_memory(root: psutil.Process) -> dict[str, int]:
 def wait_until_ready(base: str, process: subprocess.Popen, timeout: float = 300) -> None:
     """Until the gateway at `base` says /readyz 200; fails if `process` (the one serving it) exits."""
     deadline = time.monotonic() + timeout
+    last = "no answer"
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(
                 f"{process.args[3] if len(process.args) > 3 else 'the process'} exited with {process.returncode}"
             )
         try:
-            if httpx.get(base + "/readyz", timeout=2).status_code == 200:
+            reply = httpx.get(base + "/readyz", timeout=2)
+            if reply.status_code == 200:
                 return
-        except httpx.HTTPError:
-            pass
+            last = reply.text
+        except httpx.HTTPError as exc:
+            last = repr(exc)
         time.sleep(0.5)
-    raise TimeoutError(f"{base} not ready within {timeout} s")
+    raise TimeoutError(f"{base} not ready within {timeout} s (last answer: {last})")
 
 
 def run_load_bench(config: LoadBenchConfig, console: Console) -> dict[str, Any]:

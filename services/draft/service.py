@@ -55,7 +55,7 @@ class DraftServicer(rpc.DraftServicer):
 
 
 async def serve(proposer: HybridProposer, listen: str) -> None:
-    server = grpc.aio.server()
+    server = tls.server()
     rpc.add_DraftServicer_to_server(DraftServicer(proposer), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

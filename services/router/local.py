@@ -22,10 +22,27 @@ from cascadia.router.scheduler import SchedulerConfig
 ONE_MACHINE_SCHEDULE = {"frames_in_flight": 1, "rows_per_group": 64, "prefill_window": 16, "draft_rows": 16}
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing listens on now, never one this process handed out before.
+
+    The port is free only until its process binds it, seconds later; meanwhile the kernel may offer the
+    same port again, and two roles given it would collide.
+    """
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+
+
+def reserve_port(port: int) -> None:
+    """Keep `free_port` from handing out a port chosen elsewhere (a command-line option)."""
+    _handed_out.add(port)
 
 
 def local_ranges(model: Path, shards: int) -> list[tuple[int, int]]:

@@ -100,7 +100,7 @@ class PipelineDriver:
         self._failing_since: dict[int, float] = {}
 
     async def start(self) -> None:
-        self._server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        self._server = tls.server(CHANNEL_OPTIONS)
         rpc.add_CollectorServicer_to_server(_Collector(self), self._server)
         tls.add_port(self._server, self.listen)
         await self._server.start()

@@ -82,7 +82,7 @@ class RouterServicer(rpc.RouterServicer):
 
 async def serve(driver: PipelineDriver, listen: str) -> None:
     await driver.start()
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    server = tls.server(CHANNEL_OPTIONS)
     rpc.add_RouterServicer_to_server(RouterServicer(driver), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

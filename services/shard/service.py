@@ -418,7 +418,7 @@ async def serve(
     servicer.capture_info = capture_info or StageInfo(
         stage, engine.start_layer, engine.end_layer, "", engine.shape.hidden_size, {}
     )
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    server = tls.server(CHANNEL_OPTIONS)
     rpc.add_ShardServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
