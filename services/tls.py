@@ -67,11 +67,16 @@ def _credentials(tls: Tls) -> grpc.ChannelCredentials:
     return grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert)
 
 
+# Roles start in any order and restart on their own; gRPC's default backoff (up to 120 s between
+# attempts) would leave a peer that came up unused for minutes.
+RECONNECT = ("grpc.max_reconnect_backoff_ms", 5000)
+
+
 def channel(address: str, options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
     tls = configured()
     if tls is None:
-        return grpc.aio.insecure_channel(address, options=list(options))
-    return grpc.aio.secure_channel(address, _credentials(tls), options=list(options))
+        return grpc.aio.insecure_channel(address, options=[*options, RECONNECT])
+    return grpc.aio.secure_channel(address, _credentials(tls), options=[*options, RECONNECT])
 
 
 def blocking_channel(address: str) -> grpc.Channel:
