@@ -31,6 +31,17 @@ def fail(message: str) -> typer.Exit:
     return typer.Exit(2)
 
 
+def positive_ints(value: str, option: str) -> tuple[int, ...]:
+    """A comma-separated list of positive integers, or an error naming the option and the value."""
+    try:
+        parsed = tuple(int(item) for item in value.split(",") if item.strip())
+    except ValueError:
+        parsed = ()
+    if not parsed or min(parsed) < 1:
+        raise fail(f"{option} '{value}': expected positive integers separated by commas")
+    return parsed
+
+
 def progress_bar() -> Progress:
     return Progress(
         TextColumn("{task.description}"),
@@ -962,11 +973,10 @@ def bench_engine(
     """Decode and prefill throughput of the engine against transformers and the bandwidth floor."""
     from cascadia.bench.engine import EngineBenchConfig, run_engine_bench
 
-    counts = [int(s) for s in streams.split(",") if s]
     config = EngineBenchConfig(
         model=model,
         out=out,
-        streams=tuple(counts),
+        streams=positive_ints(streams, "--streams"),
         precisions=tuple(p for p in precisions.split(",") if p),
         steps=steps,
         repeats=repeats,
@@ -1081,8 +1091,18 @@ def bench_fleet(
     link_rate: Annotated[str | None, typer.Option(help="Shape each shard's link: tc rate, e.g. 1gbit.")] = None,
     link_delay_ms: Annotated[float, typer.Option(min=0.0, help="Added latency per shaped link.")] = 0.0,
     link_loss: Annotated[float, typer.Option(min=0.0, max=99.0, help="Packet loss percent per shaped link.")] = 0.0,
+    frames_in_flight: Annotated[
+        int,
+        typer.Option(
+            min=0, help="Frames on each chain at once (1: one group, the pipeline's own cost; 0: one per stage)."
+        ),
+    ] = 1,
+    repeats: Annotated[int, typer.Option(min=1, help="Runs of each stream count on each fleet, taken in turn.")] = 3,
 ) -> None:
     """Aggregate decode tok/s of local fleets against one process, and the per-hop cost on loopback.
+
+    Without links, every fleet is up at once and each repeat runs them in turn; the efficiency is the
+    median of each repeat's decode rate against the first fleet's in the same repeat.
 
     With --link-rate, every shard runs in its own network namespace behind a veth link shaped by
     tc (needs root), so each hop crosses a link like the fleet's. Latency and loss use netem, or on
@@ -1092,17 +1112,20 @@ def bench_fleet(
     from cascadia.bench.fleet import FleetBenchConfig, run_fleet_bench
     from cascadia.router.netem import LinkShape
 
+    fleet_sizes, stream_counts = positive_ints(shards, "--shards"), positive_ints(streams, "--streams")
     model_dir = ensure_model(EngineBenchConfig(model=model, out=Path("bench-out/engine")), err)
     config = FleetBenchConfig(
         model=model_dir,
         out=out,
-        shards=tuple(int(x) for x in shards.split(",") if x),
-        streams=tuple(int(x) for x in streams.split(",") if x),
+        shards=fleet_sizes,
+        streams=stream_counts,
         new_tokens=new_tokens,
         prompt_tokens=prompt_tokens,
         rows_per_group=rows_per_group,
         precision=precision,
         link=LinkShape(link_rate, link_delay_ms, link_loss) if link_rate else None,
+        frames_in_flight=frames_in_flight,
+        repeats=repeats,
     )
     try:
         summary = run_fleet_bench(config, err)
@@ -1127,10 +1150,7 @@ def bench_peer(
     path = resolve_model(model)
     if not is_gguf(path):
         raise fail(f"--model {model}: the peer benchmark needs a GGUF file, which GenAI reads too")
-    try:
-        counts = tuple(int(c) for c in streams.split(",") if c)
-    except ValueError:
-        raise fail(f"--streams '{streams}': expected integers separated by commas") from None
+    counts = positive_ints(streams, "--streams")
     summary = run_peer_bench(PeerBenchConfig(path, out, counts, new_tokens, repeats, shards), err)
     sys.stdout.write(json.dumps({"results": summary["results"], "ratios": summary["ratios"]}) + "\n")
 
@@ -1183,10 +1203,7 @@ def bench_mtp(
     """One MTP chain round against one last-stage decode step; agreement per depth, teacher- vs self-fed."""
     from cascadia.bench.mtp import MtpBenchConfig, run_mtp_bench
 
-    try:
-        counts = tuple(int(n) for n in streams.split(",") if n)
-    except ValueError:
-        raise fail(f"--streams '{streams}': expected integers separated by commas") from None
+    counts = positive_ints(streams, "--streams")
     if model is None:
         from cascadia.model.synthetic import SyntheticSpec, write_checkpoint
 
@@ -1215,10 +1232,7 @@ def bench_context(
     """Time to first token and decode time against prompt length (fit aN + bN²), KV bytes per position."""
     from cascadia.bench.context import ContextBenchConfig, run_context_bench
 
-    try:
-        counts = tuple(int(n) for n in lengths.split(",") if n)
-    except ValueError:
-        raise fail(f"--lengths '{lengths}': expected integers separated by commas") from None
+    counts = positive_ints(lengths, "--lengths")
     if len(counts) < 2:
         raise fail("--lengths needs at least two lengths to fit aN + bN²")
     if model is None:
@@ -1248,13 +1262,10 @@ def bench_load(
     """Streaming clients through the gateway of a local fleet: outcomes, tok/s, latency, memory per process."""
     from cascadia.bench.load import LoadBenchConfig, run_load_bench
 
-    model_dir = resolve_model(model)
+    counts = positive_ints(clients, "--clients")
     if prompt_max < prompt_min:
         raise fail(f"--prompt-max {prompt_max} is below --prompt-min {prompt_min}")
-    try:
-        counts = tuple(int(c) for c in clients.split(",") if c)
-    except ValueError:
-        raise fail(f"--clients '{clients}': expected integers separated by commas") from None
+    model_dir = resolve_model(model)
     config = LoadBenchConfig(model_dir, out, shards, counts, rounds, max_tokens, prompt_min, prompt_max, cancel_share)
     results = run_load_bench(config, err)
     sys.stdout.write(
@@ -1310,7 +1321,7 @@ def bench_model(
             measured = replace(measured, frame_overhead_s=frame_overhead_ms / 1e3, source=given)
     except (PlanError, KeyError, ValueError) as exc:
         raise fail(str(exc)) from None
-    counts = [int(c) for c in streams.split(",") if c]
+    counts = list(positive_ints(streams, "--streams"))
     result = run_model(shape, plan, request, measured, node_bandwidth * 1e9, counts, out)
     sys.stdout.write(json.dumps(result["rows"]) + "\n")
 

@@ -106,3 +106,19 @@ def test_bench_spec_refuses_a_draft_that_does_not_fit_its_rows(tmp_path, args, m
     assert done.returncode == 2
     assert message in done.stderr.replace("\n", " ")
     assert not any(tmp_path.iterdir())  # refused before any fleet started
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["fleet", "--streams", "1,x"], "--streams '1,x': expected positive integers separated by commas"),
+        (["fleet", "--shards", "0,4"], "--shards '0,4': expected positive integers"),
+        (["context", "--lengths", "1k,4k"], "--lengths '1k,4k': expected positive integers"),
+        (["load", "--clients", ""], "--clients '': expected positive integers"),
+    ],
+)
+def test_bench_names_a_bad_count_list_before_starting_anything(tmp_path, args, message):
+    done = cascadia("bench", *args, "--out", str(tmp_path / "out"))
+    assert done.returncode == 2
+    assert message in done.stderr.replace("\n", " ")
+    assert not (tmp_path / "out").exists()

@@ -81,7 +81,7 @@ def test_sixty_four_concurrent_streams_each_get_the_ids_they_get_alone(fleet_of,
 def test_stage_stats_account_every_frame_and_the_chain_costs_add_up(fleet_of):
     """Stats from every real stage before and after a run: each stage computed every frame once, and
     with one frame on the chain a frame's time covers the stages' busy time."""
-    from cascadia.bench.peer import chain_costs
+    from cascadia.bench.fleet import chain_costs
 
     fleet = fleet_of(3)
 

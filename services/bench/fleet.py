@@ -7,6 +7,7 @@ import contextlib
 import json
 import statistics
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,21 @@ class FleetBenchConfig:
     rows_per_group: int = 8
     precision: str = "f32"
     link: LinkShape | None = None  # shards behind emulated links instead of loopback
+    # One group on the chain at a time measures what the pipeline itself costs; on this machine more
+    # frames in flight only make the stages contend for the same cores.
+    frames_in_flight: int = 1
+    repeats: int = 3
+
+
+def chain_costs(before: Sequence[Any], after: Sequence[Any], seconds: float) -> dict[str, Any]:
+    """Where a run's frame time went, from every stage's `Stats` before and after it: each stage's
+    busy ms per frame, and what is left for the hops and the router."""
+    frames = after[0].frames_computed - before[0].frames_computed
+    if frames <= 0:
+        return {"frames": 0}
+    stages = [(b.compute_seconds - a.compute_seconds) / frames * 1e3 for a, b in zip(before, after, strict=True)]
+    frame_ms = seconds / frames * 1e3
+    return {"frames": frames, "frame_ms": frame_ms, "stage_ms": stages, "chain_ms": frame_ms - sum(stages)}
 
 
 async def _fleet_round(driver: PipelineDriver, streams: int, config: FleetBenchConfig, seed: int) -> dict[str, float]:
@@ -47,9 +63,11 @@ async def _fleet_round(driver: PipelineDriver, streams: int, config: FleetBenchC
         )
         for i in range(streams)
     ]
+    before = await driver.stage_stats()
     start = time.perf_counter()
     results = await asyncio.gather(*(driver.generate(r) for r in requests))
     end = time.perf_counter()
+    costs = chain_costs(before, await driver.stage_stats(), end - start)
     first = [r.first_token_at - start for r in results]
     # steady decode: from the moment every stream has its first token, tokens still to come
     decode_start = max(r.first_token_at for r in results)
@@ -59,30 +77,71 @@ async def _fleet_round(driver: PipelineDriver, streams: int, config: FleetBenchC
         "decode_tokens_per_s": after / (end - decode_start) if after else 0.0,
         "ttft_median_s": statistics.median(first),
         "last_first_token_s": decode_start - start,
+        "frame_ms": costs.get("frame_ms", 0.0),
+        "stages_busy_ms": sum(costs.get("stage_ms", [])),
+        "chain_ms": costs.get("chain_ms", 0.0),
     }
 
 
-async def _run_fleet(fleet: LocalFleet, config: FleetBenchConfig, console: Console) -> dict[str, Any]:
+def _medians(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+
+
+async def _run_fleets(fleets: dict[int, LocalFleet], config: FleetBenchConfig, console: Console) -> dict[str, Any]:
+    """Every stream count runs `repeats` times on every fleet in turn, so a slow spell of this shared
+    machine falls on all of them alike; medians per fleet, and each repeat's decode rate against the
+    first fleet's in the same repeat."""
     group = config.rows_per_group  # a prefill window fills a group
-    sched = SchedulerConfig(stages=fleet.shards, rows_per_group=group, prefill_window=group)
-    driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, sched, frame_timeout=600)
-    await driver.start()
+    drivers: dict[int, PipelineDriver] = {}
+    for shards, fleet in fleets.items():
+        sched = SchedulerConfig(
+            stages=shards, rows_per_group=group, prefill_window=group, frames_in_flight=config.frames_in_flight
+        )
+        drivers[shards] = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, sched, frame_timeout=600)
     try:
-        await driver.wait_ready(timeout=900)
-        await _fleet_round(driver, 1, config, seed=999)  # warm-up
-        out = {}
+        for driver in drivers.values():
+            await driver.start()
+            await driver.wait_ready(timeout=900)
+            await _fleet_round(driver, 1, config, seed=999)  # warm-up
+        out: dict[str, Any] = {str(shards): {} for shards in fleets}
+        base = next(iter(fleets))
         for n in config.streams:
-            with console.status(f"{fleet.shards} shard(s): {n} streams"):
-                out[str(n)] = await _fleet_round(driver, n, config, seed=n)
-            console.print(f"{fleet.shards} shard(s) {n:3d} streams: {out[str(n)]['decode_tokens_per_s']:.1f} tok/s")
+            runs: dict[int, list[dict[str, float]]] = {shards: [] for shards in fleets}
+            for repeat in range(config.repeats):
+                for shards, driver in drivers.items():
+                    with console.status(f"{n} streams, repeat {repeat + 1}/{config.repeats}: {shards} shard(s)"):
+                        runs[shards].append(await _fleet_round(driver, n, config, seed=n))
+            for shards, shard_runs in runs.items():
+                result = _medians(shard_runs)
+                if shards != base:
+                    paired = [
+                        run["decode_tokens_per_s"] / first["decode_tokens_per_s"]
+                        for run, first in zip(shard_runs, runs[base], strict=True)
+                    ]
+                    result["pipeline_efficiency"] = statistics.median(paired)
+                out[str(shards)][str(n)] = result
+                efficiency = f", {result['pipeline_efficiency']:.2f} of {base}" if shards != base else ""
+                console.print(
+                    f"{shards} shard(s) {n:3d} streams: {result['decode_tokens_per_s']:.1f} tok/s{efficiency} "
+                    f"(frame {result['frame_ms']:.1f} ms: stages {result['stages_busy_ms']:.1f}, "
+                    f"hops and router {result['chain_ms']:.1f})"
+                )
         return out
     finally:
-        await driver.stop()
+        for driver in drivers.values():
+            await driver.stop()
 
 
 def run_fleet_bench(config: FleetBenchConfig, console: Console) -> dict[str, Any]:
     config.out.mkdir(parents=True, exist_ok=True)
-    summary: dict[str, Any] = {"model": str(config.model), "hop": asyncio.run(hop_cost()), "fleets": {}}
+    summary: dict[str, Any] = {
+        "model": str(config.model),
+        "rows_per_group": config.rows_per_group,
+        "frames_in_flight": config.frames_in_flight,
+        "repeats": config.repeats,
+        "hop": asyncio.run(hop_cost()),
+        "fleets": {},
+    }
     hop = summary["hop"]
     console.print(
         f"one hop of 8 x 6144 FP32 on loopback: {hop['median_ms']:.3f} ms round trip, "
@@ -94,23 +153,33 @@ def run_fleet_bench(config: FleetBenchConfig, console: Console) -> dict[str, Any
             "delay_ms": config.link.delay_ms,
             "loss_percent": config.link.loss_percent,
         }
-    for shards in config.shards:
+        # each emulated network owns this process's namespaces: one fleet at a time
+        for shards in config.shards:
+            with EmulatedNetwork(shards, config.link) as network:
+                fleet = LocalFleet(config.model, shards, config.precision, network=network)
+                with _running(fleet, config.out):
+                    summary["fleets"].update(asyncio.run(_run_fleets({shards: fleet}, config, console)))
+    else:
         with contextlib.ExitStack() as stack:
-            network = stack.enter_context(EmulatedNetwork(shards, config.link)) if config.link else None
-            fleet = LocalFleet(config.model, shards, config.precision, network=network)
-            fleet.start(log_dir=config.out)
-            try:
-                summary["fleets"][str(shards)] = asyncio.run(_run_fleet(fleet, config, console))
-            finally:
-                fleet.stop()
-    if "1" in summary["fleets"]:
-        base = summary["fleets"]["1"]
-        for results in summary["fleets"].values():
-            for n, r in results.items():
-                r["pipeline_efficiency"] = r["decode_tokens_per_s"] / base[n]["decode_tokens_per_s"]
+            fleets = {}
+            for shards in config.shards:
+                with console.status(f"starting {shards} shard(s)"):
+                    fleets[shards] = stack.enter_context(
+                        _running(LocalFleet(config.model, shards, config.precision), config.out)
+                    )
+            summary["fleets"] = asyncio.run(_run_fleets(fleets, config, console))
     (config.out / "fleet.json").write_text(json.dumps(summary, indent=2) + "\n")
     _plot(summary, config.out / "fleet.png")
     return summary
+
+
+@contextlib.contextmanager
+def _running(fleet: LocalFleet, log_dir: Path) -> Iterator[LocalFleet]:
+    fleet.start(log_dir=log_dir)
+    try:
+        yield fleet
+    finally:
+        fleet.stop()
 
 
 def _plot(summary: dict[str, Any], path: Path) -> None:

@@ -71,6 +71,7 @@ async def measure_hop(address: str, rows: int = 8, hidden: int = 6144, repeats: 
             if burst:  # the first burst warms the stream up
                 per_frame.append((time.perf_counter() - start) / (repeats // 4))
         await call.done_writing()
+        await call.code()  # the sink ends its side before the channel closes
     return {
         "rows": rows,
         "hidden": hidden,

@@ -14,7 +14,7 @@ import functools
 import json
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
+from cascadia.bench.fleet import chain_costs
 from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.sampling import SamplingParams
@@ -114,17 +115,6 @@ async def _time_fleet(driver, prompt_ids: list[int], streams: int, new_tokens: i
     after = sum(1 for r in results for t in r.token_times if t > decode_start)
     ttft = statistics.median(r.first_token_at - start for r in results)
     return Timing(ttft, after / (end - decode_start) if after else 0.0)
-
-
-def chain_costs(before: Sequence[Any], after: Sequence[Any], seconds: float) -> dict[str, Any]:
-    """Where a run's frame time went, from every stage's `Stats` before and after it: each stage's
-    busy ms per frame, and what is left for the hops and the router."""
-    frames = after[0].frames_computed - before[0].frames_computed
-    if frames <= 0:
-        return {"frames": 0}
-    stages = [(b.compute_seconds - a.compute_seconds) / frames * 1e3 for a, b in zip(before, after, strict=True)]
-    frame_ms = seconds / frames * 1e3
-    return {"frames": frames, "frame_ms": frame_ms, "stage_ms": stages, "chain_ms": frame_ms - sum(stages)}
 
 
 def _interleaved(contenders: dict[str, Callable[[int], Timing]], streams: tuple[int, ...], repeats: int):
