@@ -1171,17 +1171,27 @@ def bench_spec(
         int | None,
         typer.Option(min=2, help="Rows of streams and drafts before speculation stops (default: the local fleet's)."),
     ] = None,
+    form: Annotated[
+        str,
+        typer.Option(
+            help="chat: each family as a chat message through the model's template, ending with its turn; "
+            "completion: raw prompts, --new-tokens each."
+        ),
+    ] = "chat",
 ) -> None:
     """Per-request speedup and acceptance of speculative decoding by prompt family, and the aggregate rate."""
-    from cascadia.bench.spec import SpecBenchConfig, run_spec_bench
+    from cascadia.bench.spec import FORMS, SpecBenchConfig, run_spec_bench
     from cascadia.router.local import LocalFleet
+
+    if form not in FORMS:
+        raise fail(f"--form '{form}' is not one of {', '.join(FORMS)}")
 
     rows = draft_rows or LocalFleet(Path(model), shards).scheduler_config().draft_room
     if max_draft is not None and max_draft >= rows:
         given = "" if draft_rows else " (the local fleet's)"
         raise fail(f"--max-draft {max_draft} must be below --draft-rows {rows}{given}")
     path = resolve_model(model)
-    config = SpecBenchConfig(path, out, shards, new_tokens, repeats, streams, max_draft, draft_rows)
+    config = SpecBenchConfig(path, out, shards, new_tokens, repeats, streams, max_draft, draft_rows, form)
     summary = run_spec_bench(config, err)
     speedups = {f: round(r["speedup"], 3) for f, r in summary["families"].items()}
     sys.stdout.write(json.dumps({"speedup": speedups, "aggregate": summary["aggregate"]}) + "\n")

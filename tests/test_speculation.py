@@ -30,6 +30,7 @@ from cascadia.router.scheduler import (
     SchedulerConfig,
     draft_length,
     grown_draft,
+    smoothed_acceptance,
 )
 from tests.helpers import router_ready, serving
 
@@ -115,6 +116,18 @@ def test_draft_length_pays_only_for_light_load_and_follows_acceptance():
     assert draft_length(4, 8, 7, accepted_ema=3.0) == 1
     assert draft_length(8, 8, 7, accepted_ema=3.0) == 0  # decode rows fill the group: no speculation
     assert draft_length(1, 8, 0, accepted_ema=3.0) == 0
+
+
+def test_a_round_that_accepts_nothing_ends_the_long_drafts_at_once():
+    ema = 1.0
+    for _ in range(4):  # a copy: every round accepts all it drafted
+        ema = smoothed_acceptance(ema, draft_length(1, 16, 15, ema))
+    assert draft_length(1, 16, 15, ema) == 15
+    ema = smoothed_acceptance(ema, 0)  # the copy ended
+    assert draft_length(1, 16, 15, ema) == 1
+    ema = smoothed_acceptance(ema, 1)  # it picks up again
+    assert draft_length(1, 16, 15, ema) == 2
+    assert smoothed_acceptance(6.0, 2) == 4.0  # a partial miss only halves the lead
 
 
 def test_scheduler_sends_drafts_and_rewinds_the_rejected_positions():
@@ -515,3 +528,21 @@ def test_redis_and_draft_service_faults_never_fail_a_request(tiny, redis_server,
     assert rounds["redis down"] > rounds["healthy"]  # request-local drafting goes on without Redis
     assert rounds["draft down"] == rounds["redis back"]  # no draft service, no rounds, no failures
     assert rounds["draft back"] > rounds["draft down"]
+
+
+def test_bench_families_go_through_the_chat_template_and_stop_with_the_turn():
+    from cascadia.bench.spec import CHAT_FAMILIES, family_prompts
+    from cascadia.gateway.text import TextCodec
+    from cascadia.model.loader import resolve
+
+    codec = TextCodec.from_model(resolve("smollm2-135m"))
+    chat = family_prompts(codec, "chat", 64)
+    raw = family_prompts(codec, "completion", 64)
+    assert set(chat) == set(raw) == set(CHAT_FAMILIES)
+    for family, (ids, params) in chat.items():
+        assert ids == codec.encode_chat([{"role": "user", "content": CHAT_FAMILIES[family]}])
+        assert params.stop_ids == codec.stop_token_ids and params.stop_ids  # ends where a chat reply ends
+        assert codec.decode(ids).rstrip().endswith("assistant")
+    assert all(not params.stop_ids and params.max_tokens == 64 for _, params in raw.values())
+    with pytest.raises(ValueError, match="form 'json' is not one of chat, completion"):
+        family_prompts(codec, "json", 64)

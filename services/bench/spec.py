@@ -27,13 +27,24 @@ CODE = (
     "def mean(values):\n    total = 0\n    for value in values:\n        total += value\n"
     "    return total / len(value)\n"
 )
-FAMILIES: dict[str, str] = {
+# each family as a user's message, sent as /v1/chat/completions sends it: through the model's chat
+# template, ending where the model ends its turn
+CHAT_FAMILIES: dict[str, str] = {
+    "copy": f"Copy the text below exactly.\n\n{PASSAGE}",
+    "edit": f"Fix the bug in this function and print the whole corrected function.\n\n{CODE}",
+    "rewrite": f'Rewrite the text below, replacing the word "keeper" with "guardian".\n\n{PASSAGE}',
+    "pattern": "Continue the sequence: red, green, blue, red, green, blue, red, green, blue, red,",
+    "free": "Write a short story about a dragon who learns to bake bread.",
+}
+# the same asks as raw prompts for /v1/completions, decoding `new_tokens` whatever the model says
+COMPLETION_FAMILIES: dict[str, str] = {
     "copy": f"Copy the text below exactly.\n\nText: {PASSAGE}\n\nCopy: ",
     "edit": f"Fix the bug in this function and print the whole corrected function.\n\n{CODE}\nCorrected:\n",
     "rewrite": f"Repeat this sentence word for word, then stop.\n{PASSAGE}\nRepeated:\n",
     "pattern": "Continue the sequence: red, green, blue, red, green, blue, red, green, blue, red,",
     "free": "Write a short story about a dragon who learns to bake bread.",
 }
+FORMS = ("chat", "completion")
 VERIFY_SIZES = (2, 4, 8, 12, 16)  # rows of a verify block: 1 to 15 drafted tokens
 
 
@@ -47,13 +58,25 @@ class SpecBenchConfig:
     streams: int = 32
     max_draft: int | None = None  # None: as many as the draft rows allow a lone stream
     draft_rows: int | None = None  # None: the local fleet's schedule
+    form: str = "chat"  # one of FORMS
 
 
-async def _one(driver, rid: str, prompt: list[int], new_tokens: int, speculate: bool) -> dict[str, float]:
+def family_prompts(codec, form: str, new_tokens: int) -> dict[str, tuple[list[int], SamplingParams]]:
+    """Each family's prompt ids and greedy sampling: chat messages stop at the end of the model's turn."""
+    if form == "chat":
+        params = SamplingParams(max_tokens=new_tokens, stop_ids=codec.stop_token_ids)
+        return {f: (codec.encode_chat([{"role": "user", "content": t}]), params) for f, t in CHAT_FAMILIES.items()}
+    if form == "completion":
+        params = SamplingParams(max_tokens=new_tokens)
+        return {f: (codec.encode(t), params) for f, t in COMPLETION_FAMILIES.items()}
+    raise ValueError(f"form '{form}' is not one of {', '.join(FORMS)}")
+
+
+async def _one(driver, rid: str, prompt: list[int], params: SamplingParams, speculate: bool) -> dict[str, float]:
     from cascadia.router.scheduler import Request
 
     started = time.perf_counter()
-    result = await driver.generate(Request(rid, tuple(prompt), SamplingParams(max_tokens=new_tokens), speculate))
+    result = await driver.generate(Request(rid, tuple(prompt), params, speculate))
     end = time.perf_counter()
     decode = (len(result.tokens) - 1) / (end - result.first_token_at) if end > result.first_token_at else 0.0
     return {"tokens": result.tokens, "decode_tokens_per_s": decode, "total_s": end - started}
@@ -67,15 +90,15 @@ def _paired(runs: dict[str, list[float]]) -> float:
 
 async def _run(config: SpecBenchConfig, driver, codec, console: Console) -> dict[str, Any]:
     out: dict[str, Any] = {"families": {}, "aggregate": {}}
-    for family, text in FAMILIES.items():
-        prompt = codec.encode(text)
+    prompts = family_prompts(codec, config.form, config.new_tokens)
+    for family, (prompt, params) in prompts.items():
         runs: dict[str, list[float]] = {"off": [], "on": []}
         sources: dict[str, list[int]] = {}
         same = True
         for i in range(config.repeats):
-            base = await _one(driver, f"{family}-off-{i}", prompt, config.new_tokens, False)
+            base = await _one(driver, f"{family}-off-{i}", prompt, params, False)
             before = {k: list(v) for k, v in driver.spec_by_source.items()}
-            spec = await _one(driver, f"{family}-on-{i}", prompt, config.new_tokens, True)
+            spec = await _one(driver, f"{family}-on-{i}", prompt, params, True)
             for source, (proposed, accepted) in driver.spec_by_source.items():
                 was = before.get(source, [0, 0])
                 counts = sources.setdefault(source, [0, 0])
@@ -91,18 +114,19 @@ async def _run(config: SpecBenchConfig, driver, codec, console: Console) -> dict
             "speedup": on / off if off else 0.0,
             "paired_speedup": _paired(runs),
             "identical_greedy_output": same,
+            "decoded_tokens": len(base["tokens"]),
             "acceptance_by_source": {s: (a / p if p else 0.0) for s, (p, a) in sources.items()},
             "drafted_by_source": {s: p for s, (p, _) in sources.items()},
         }
         paired = out["families"][family]["paired_speedup"]
         ratio = on / off if off else 0.0
         console.print(f"{family:8s} speedup {ratio:.2f}x, paired {paired:.2f}x ({off:.1f} -> {on:.1f} tok/s)")
-    prompts = [codec.encode(t) for t in FAMILIES.values()]
+    mixed = list(prompts.values())
     rates: dict[str, list[float]] = {"off": [], "on": []}
     for repeat in range(config.repeats):  # interleaved, so a slow spell of the machine hits both modes
         for mode in ("off", "on"):
             requests = [
-                _one(driver, f"agg-{mode}-{repeat}-{i}", prompts[i % len(prompts)], config.new_tokens, mode == "on")
+                _one(driver, f"agg-{mode}-{repeat}-{i}", *mixed[i % len(mixed)], mode == "on")
                 for i in range(config.streams)
             ]
             started = time.perf_counter()
@@ -143,7 +167,7 @@ def run_spec_bench(config: SpecBenchConfig, console: Console) -> dict[str, Any]:
         try:
             with console.status(f"starting {config.shards} shards"):
                 await driver.wait_ready(timeout=600)
-            await _one(driver, "warm-up", codec.encode("Hello"), 8, True)
+            await _one(driver, "warm-up", codec.encode("Hello"), SamplingParams(max_tokens=8), True)
             return await _run(config, driver, codec, console)
         finally:
             await driver.stop()
@@ -158,6 +182,7 @@ def run_spec_bench(config: SpecBenchConfig, console: Console) -> dict[str, Any]:
         "model": config.model.name,
         "shards": config.shards,
         "new_tokens": config.new_tokens,
+        "form": config.form,
         "max_draft": scheduler.max_draft,
         "draft_rows": scheduler.draft_room,
         "rows_per_group": scheduler.rows_per_group,

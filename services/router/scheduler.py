@@ -201,6 +201,16 @@ def speculable(request: Request) -> bool:
     return request.speculate and not params.penalised and not seeded_sampling
 
 
+def smoothed_acceptance(previous: float, accepted: int) -> float:
+    """Accepted drafts per round, smoothed; a round that accepted none starts again from zero.
+
+    A long run of accepted drafts (a copy of the prompt) ends with the copy; the reply then goes on in
+    words of its own, and halving the estimate round by round would keep verifying long drafts that
+    miss (a 16-row block costs about three one-row steps here) for several more rounds.
+    """
+    return 0.0 if accepted == 0 else 0.5 * previous + 0.5 * accepted
+
+
 def draft_length(streams: int, rows_per_group: int, max_draft: int, accepted_ema: float) -> int:
     """Drafted tokens for one stream's next row: none once other streams' rows fill the groups, fewer after misses.
 
@@ -316,7 +326,7 @@ class Scheduler:
             if row.draft:
                 accepted = len(got) - 1
                 self.verified.append(Verified(row.stream, stream.draft_source, len(row.draft), accepted))
-                stream.accepted_ema = 0.5 * stream.accepted_ema + 0.5 * accepted
+                stream.accepted_ema = smoothed_acceptance(stream.accepted_ema, accepted)
                 if accepted < len(row.draft):  # the stages hold the rejected drafts' positions too
                     stream.position = row.start + accepted + 1
                     stream.rewind_to = stream.position
