@@ -836,6 +836,7 @@ def up(
     import subprocess
     import time
 
+    from cascadia.parent import child_env
     from cascadia.router.local import LocalFleet, free_port, local_ranges, reserve_port
 
     model_dir = resolve_model(model)
@@ -887,7 +888,9 @@ def up(
         if api_keys_file is not None:
             cmd += ["--api-keys-file", str(api_keys_file)]
         gateway_log = open(log_dir / "gateway.log", "w") if log_dir else None  # noqa: SIM115
-        gateway_proc = subprocess.Popen(cmd, stdout=gateway_log, stderr=subprocess.STDOUT if gateway_log else None)
+        gateway_proc = subprocess.Popen(
+            cmd, stdout=gateway_log, stderr=subprocess.STDOUT if gateway_log else None, env=child_env()
+        )
         err.print(
             f"{shards} shards on {', '.join(fleet.stage_addrs)}; router on 127.0.0.1:{router_port}; "
             f"OpenAI API on http://127.0.0.1:{port}/v1 (Ctrl-C stops)"
@@ -1337,6 +1340,9 @@ def bench_model(
 
 
 def main() -> None:
+    from cascadia.parent import follow_parent
+
+    follow_parent()
     app()
 
 

@@ -24,6 +24,7 @@ import numpy as np
 import psutil
 from rich.console import Console
 
+from cascadia.parent import child_env
 from cascadia.router.local import free_port
 
 
@@ -176,7 +177,7 @@ def run_load_bench(config: LoadBenchConfig, console: Console) -> dict[str, Any]:
         str(config.out / "logs"),
     ]
     env = {k: v for k, v in os.environ.items() if k != "CASCADIA_API_KEYS"}
-    process = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(cmd, env=child_env(env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     rng = np.random.default_rng(config.seed)
     results: dict[str, Any] = {

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from cascadia.model.loader import load_shape
+from cascadia.parent import child_env
 from cascadia.planner import GIB, PlanRequest, plan_fleet
 from cascadia.router.netem import EmulatedNetwork
 from cascadia.router.scheduler import SchedulerConfig
@@ -132,7 +133,7 @@ class LocalFleet:
         if self.threads:
             cmd += ["--threads", str(self.threads)]
         out = open(self._log_dir / f"shard-{i}.log", "a") if self._log_dir else subprocess.DEVNULL  # noqa: SIM115
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=child_env())
 
     def start_router(self, port: int, log: Path | None = None, *options: str) -> subprocess.Popen:
         """`cascadia router` over this fleet's stages, its API on 127.0.0.1:port."""
@@ -140,7 +141,7 @@ class LocalFleet:
         cmd += ["--stages", ",".join(self.stage_addrs), "--collect", self.reply_addr]
         cmd += [*self.router_options(), *options]
         out = open(log, "w") if log else None  # noqa: SIM115 (the process outlives this call)
-        self.router = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None)
+        self.router = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=child_env())
         return self.router
 
     def start_draft(self, log_dir: Path | None = None, draft_model: str | None = None) -> str:
@@ -158,7 +159,8 @@ class LocalFleet:
         cmd += ["--redis", redis_url] if redis_url else []
         cmd += ["--model", draft_model, "--target", str(self.model)] if draft_model else []
         out = open(log_dir / "draft.log", "w") if log_dir else None  # noqa: SIM115 (the process outlives this call)
-        self.helpers.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None))
+        draft = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=child_env())
+        self.helpers.append(draft)
         return address
 
     def restart(self, stage: int) -> None:
