@@ -123,3 +123,21 @@ def test_bench_names_a_bad_count_list_before_starting_anything(tmp_path, args, m
     assert done.returncode == 2
     assert message in done.stderr.replace("\n", " ")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_bench_fleet_pairs_the_fleets_and_accounts_each_frame(tiny, tmp_path):
+    done = cascadia(
+        "bench", "fleet", "--model", str(tiny), "--out", str(tmp_path), "--shards", "1,2",
+        "--streams", "1,3", "--repeats", "2", "--new-tokens", "6",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((tmp_path / "fleet.json").read_text())
+    assert (summary["frames_in_flight"], summary["repeats"]) == (1, 2)
+    assert (tmp_path / "fleet.png").stat().st_size > 0
+    for shards, results in summary["fleets"].items():
+        assert set(results) == {"1", "3"}
+        for result in results.values():
+            assert result["decode_tokens_per_s"] > 0
+            assert result["frame_ms"] >= result["stages_busy_ms"] > 0  # the stages' busy time is part of the frame's
+            assert ("pipeline_efficiency" in result) == (shards == "2")

@@ -159,6 +159,12 @@ def run_fleet_bench(config: FleetBenchConfig, console: Console) -> dict[str, Any
                 fleet = LocalFleet(config.model, shards, config.precision, network=network)
                 with _running(fleet, config.out):
                     summary["fleets"].update(asyncio.run(_run_fleets({shards: fleet}, config, console)))
+        # fleets taken one after another: the ratio of medians, not of pairs
+        first = summary["fleets"][str(config.shards[0])]
+        for shards in config.shards[1:]:
+            for n, result in summary["fleets"][str(shards)].items():
+                base = first[n]["decode_tokens_per_s"]
+                result["pipeline_efficiency"] = result["decode_tokens_per_s"] / base if base else 0.0
     else:
         with contextlib.ExitStack() as stack:
             fleets = {}
