@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from cascadia import tls
-from cascadia.router.local import free_port, reserve_port
+from cascadia.router import local
+from cascadia.router.local import free_port
 
 
 def test_free_port_never_repeats_within_a_process():
@@ -15,10 +16,26 @@ def test_free_port_never_repeats_within_a_process():
     assert len(set(ports)) == len(ports)
 
 
-def test_a_reserved_port_is_never_handed_out():
-    taken = free_port()
-    reserve_port(taken + 1)
-    assert taken + 1 not in {free_port() for _ in range(200)}
+def test_a_port_the_kernel_offers_again_is_skipped(monkeypatch):
+    offers = iter([7001, 7001, 7002, 7003, 7004])  # a kernel that repeats itself, as it does
+
+    class Probe:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, address):
+            self.port = next(offers)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(local.socket, "socket", Probe)
+    monkeypatch.setattr(local, "_handed_out", set())
+    local.reserve_port(7003)  # given on the command line
+    assert [local.free_port() for _ in range(3)] == [7001, 7002, 7004]
 
 
 def test_a_second_server_on_a_served_port_fails_to_start():

@@ -52,9 +52,10 @@ def chain_costs(before: Sequence[Any], after: Sequence[Any], seconds: float) -> 
     return {"frames": frames, "frame_ms": frame_ms, "stage_ms": stages, "chain_ms": frame_ms - sum(stages)}
 
 
-async def _fleet_round(driver: PipelineDriver, streams: int, config: FleetBenchConfig, seed: int) -> dict[str, float]:
+async def _fleet_round(
+    driver: PipelineDriver, streams: int, config: FleetBenchConfig, seed: int, vocab: int
+) -> dict[str, float]:
     rng = np.random.default_rng(seed)
-    vocab = load_shape(config.model).unpadded_vocab_size
     requests = [
         Request(
             f"b{seed}-{i}",
@@ -92,6 +93,7 @@ async def _run_fleets(fleets: dict[int, LocalFleet], config: FleetBenchConfig, c
     machine falls on all of them alike; medians per fleet, and each repeat's decode rate against the
     first fleet's in the same repeat."""
     group = config.rows_per_group  # a prefill window fills a group
+    vocab = load_shape(config.model).unpadded_vocab_size
     drivers: dict[int, PipelineDriver] = {}
     for shards, fleet in fleets.items():
         sched = SchedulerConfig(
@@ -102,7 +104,7 @@ async def _run_fleets(fleets: dict[int, LocalFleet], config: FleetBenchConfig, c
         for driver in drivers.values():
             await driver.start()
             await driver.wait_ready(timeout=900)
-            await _fleet_round(driver, 1, config, seed=999)  # warm-up
+            await _fleet_round(driver, 1, config, 999, vocab)  # warm-up
         out: dict[str, Any] = {str(shards): {} for shards in fleets}
         base = next(iter(fleets))
         for n in config.streams:
@@ -110,7 +112,7 @@ async def _run_fleets(fleets: dict[int, LocalFleet], config: FleetBenchConfig, c
             for repeat in range(config.repeats):
                 for shards, driver in drivers.items():
                     with console.status(f"{n} streams, repeat {repeat + 1}/{config.repeats}: {shards} shard(s)"):
-                        runs[shards].append(await _fleet_round(driver, n, config, seed=n))
+                        runs[shards].append(await _fleet_round(driver, n, config, n, vocab))
             for shards, shard_runs in runs.items():
                 result = _medians(shard_runs)
                 if shards != base:

@@ -27,22 +27,26 @@ CODE = (
     "def mean(values):\n    total = 0\n    for value in values:\n        total += value\n"
     "    return total / len(value)\n"
 )
+PATTERN = "Continue the sequence: red, green, blue, red, green, blue, red, green, blue, red,"
+FREE = "Write a short story about a dragon who learns to bake bread."
+COPY_ASK = "Copy the text below exactly."
+EDIT_ASK = "Fix the bug in this function and print the whole corrected function."
 # each family as a user's message, sent as /v1/chat/completions sends it: through the model's chat
 # template, ending where the model ends its turn
 CHAT_FAMILIES: dict[str, str] = {
-    "copy": f"Copy the text below exactly.\n\n{PASSAGE}",
-    "edit": f"Fix the bug in this function and print the whole corrected function.\n\n{CODE}",
+    "copy": f"{COPY_ASK}\n\n{PASSAGE}",
+    "edit": f"{EDIT_ASK}\n\n{CODE}",
     "rewrite": f'Rewrite the text below, replacing the word "keeper" with "guardian".\n\n{PASSAGE}',
-    "pattern": "Continue the sequence: red, green, blue, red, green, blue, red, green, blue, red,",
-    "free": "Write a short story about a dragon who learns to bake bread.",
+    "pattern": PATTERN,
+    "free": FREE,
 }
 # the same asks as raw prompts for /v1/completions, decoding `new_tokens` whatever the model says
 COMPLETION_FAMILIES: dict[str, str] = {
-    "copy": f"Copy the text below exactly.\n\nText: {PASSAGE}\n\nCopy: ",
-    "edit": f"Fix the bug in this function and print the whole corrected function.\n\n{CODE}\nCorrected:\n",
+    "copy": f"{COPY_ASK}\n\nText: {PASSAGE}\n\nCopy: ",
+    "edit": f"{EDIT_ASK}\n\n{CODE}\nCorrected:\n",
     "rewrite": f"Repeat this sentence word for word, then stop.\n{PASSAGE}\nRepeated:\n",
-    "pattern": "Continue the sequence: red, green, blue, red, green, blue, red, green, blue, red,",
-    "free": "Write a short story about a dragon who learns to bake bread.",
+    "pattern": PATTERN,
+    "free": FREE,
 }
 FORMS = ("chat", "completion")
 VERIFY_SIZES = (2, 4, 8, 12, 16)  # rows of a verify block: 1 to 15 drafted tokens
