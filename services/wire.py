@@ -16,6 +16,7 @@ def sampling_message(params: SamplingParams):
         seed=params.seed or 0,
         has_seed=params.seed is not None,
         top_logprobs=params.top_logprobs,
+        logprobs=params.logprobs,
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
     )
@@ -33,4 +34,5 @@ def sampling_params(message, max_tokens: int = 16, stop_ids: frozenset[int] = fr
         presence_penalty=message.presence_penalty,
         frequency_penalty=message.frequency_penalty,
         top_logprobs=message.top_logprobs,
+        logprobs=message.logprobs,
     )

@@ -9,9 +9,10 @@ import grpc
 import numpy as np
 import pytest
 
+from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.generate import generate
-from cascadia.engine.sampling import SamplingParams
+from cascadia.engine.sampling import SamplingParams, log_softmax
 from cascadia.engine.settings import EngineSettings
 from cascadia.model.checkpoint import load_stage
 from cascadia.model.config import load_shape
@@ -34,9 +35,13 @@ def prompts(count: int, seed: int = 0) -> list[Request]:
 
 
 @pytest.fixture(scope="module")
-def solo(tiny):
-    engine = StageEngine(load_stage(tiny, 0, load_shape(tiny).num_layers), EngineSettings())
-    return lambda r: generate(engine, r.prompt, r.params, stream="solo").token_ids
+def solo_engine(tiny):
+    return StageEngine(load_stage(tiny, 0, load_shape(tiny).num_layers), EngineSettings())
+
+
+@pytest.fixture(scope="module")
+def solo(solo_engine):
+    return lambda r: generate(solo_engine, r.prompt, r.params, stream="solo").token_ids
 
 
 async def run_fleet(fleet: LocalFleet, requests: list[Request], config: SchedulerConfig | None = None):
@@ -76,6 +81,26 @@ def test_sixty_four_concurrent_streams_each_get_the_ids_they_get_alone(fleet_of,
     requests = prompts(64, seed=11)
     _, results = asyncio.run(run_fleet(fleet_of(3), requests))
     assert [r.tokens for r in results] == [solo(r) for r in requests]
+
+
+def test_log_probs_are_computed_only_for_streams_that_ask_and_match_the_engine(fleet_of, solo_engine):
+    prompt = (5, 17, 300, 42, 77, 9)
+    asked = Request("asked", prompt, SamplingParams(max_tokens=8, logprobs=True))
+    plain = Request("plain", prompt, SamplingParams(max_tokens=8))
+    _, (with_logprobs, without) = asyncio.run(run_fleet(fleet_of(2), [asked, plain]))
+    assert with_logprobs.tokens == without.tokens
+    assert without.logprobs == [0.0] * len(without.tokens)
+    # every sampled token's log-prob from one pass of the whole model over the prompt and the output
+    ids = np.array([*prompt, *with_logprobs.tokens[:-1]])
+    rows = np.arange(len(prompt) - 1, len(ids))
+    solo_engine.open("logprobs")
+    try:
+        logits = solo_engine.step([Segment("logprobs", 0, len(ids))], ids, rows).logits
+    finally:
+        solo_engine.close("logprobs")
+    expected = log_softmax(logits)[np.arange(len(rows)), with_logprobs.tokens]
+    np.testing.assert_allclose(with_logprobs.logprobs, expected, atol=1e-4)
+    assert min(expected) < -1e-3  # the check can fail: not every token is certain
 
 
 def test_stage_stats_account_every_frame_and_the_chain_costs_add_up(fleet_of):

@@ -20,6 +20,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     top_logprobs: int = 0
+    logprobs: bool = False  # the sampled token's log-prob is wanted (a full softmax per token)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -35,6 +36,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
 
     @property
     def penalised(self) -> bool:

@@ -191,7 +191,7 @@ class Gateway:
             )
         return wanted
 
-    def sampling(self, body: SamplingFields, max_tokens: int, top_logprobs: int) -> SamplingParams:
+    def sampling(self, body: SamplingFields, max_tokens: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
         return SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
             top_k=body.top_k or 0,
@@ -202,11 +202,10 @@ class Gateway:
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
             top_logprobs=top_logprobs,
+            logprobs=logprobs,
         )
 
-    def generation(
-        self, prefix: str, prompt: list[int], params: SamplingParams, body: SamplingFields, logprobs: bool
-    ) -> Generation:
+    def generation(self, prefix: str, prompt: list[int], params: SamplingParams, body: SamplingFields) -> Generation:
         self.metrics.prompt_tokens.inc(len(prompt))
         return Generation(
             self.router,
@@ -216,7 +215,7 @@ class Gateway:
             params,
             body.stop_strings,
             self.metrics,
-            wants_logprobs=logprobs,
+            wants_logprobs=params.logprobs,
             speculation=body.speculation is not False,
         )
 
@@ -468,8 +467,8 @@ def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, ke
         ids = codec.encode(prompt) if isinstance(prompt, str) else list(prompt)
         max_tokens = gateway.check_prompt(ids, body.max_tokens, "prompt")
         top = body.logprobs or 0
-        params = gateway.sampling(body, max_tokens, top)
-        generation = gateway.generation("cmpl", ids, params, body, body.logprobs is not None)
+        params = gateway.sampling(body, max_tokens, body.logprobs is not None, top)
+        generation = gateway.generation("cmpl", ids, params, body)
         created = int(time.time())
         gateway.limiter.acquire(key)
         if body.stream:
@@ -516,8 +515,8 @@ def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, ke
         if not ids:
             raise bad_request("The messages render to an empty prompt.", "messages")
         max_tokens = gateway.check_prompt(ids, body.max_completion_tokens or body.max_tokens, "messages")
-        params = gateway.sampling(body, max_tokens, body.top_logprobs or 0 if body.logprobs else 0)
-        generation = gateway.generation("chatcmpl", ids, params, body, bool(body.logprobs))
+        params = gateway.sampling(body, max_tokens, bool(body.logprobs), body.top_logprobs or 0 if body.logprobs else 0)
+        generation = gateway.generation("chatcmpl", ids, params, body)
         created = int(time.time())
         gateway.limiter.acquire(key)
         if body.stream:

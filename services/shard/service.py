@@ -387,8 +387,11 @@ class ShardServicer(rpc.ShardServicer):
 
     @staticmethod
     def _sampled(stream: str, row: np.ndarray, token: int, params: SamplingParams):
+        sampled = pb.SampledToken(stream=stream, token=token)
+        if not params.wants_logprobs:  # a softmax over the vocabulary costs ~0.25 ms a row
+            return sampled
         logprobs = log_softmax(row)
-        sampled = pb.SampledToken(stream=stream, token=token, logprob=float(logprobs[token]))
+        sampled.logprob = float(logprobs[token])
         if params.top_logprobs:
             best = np.argsort(-logprobs, kind="stable")[: params.top_logprobs]
             sampled.top.extend(pb.TopLogprob(token=int(t), logprob=float(logprobs[t])) for t in best)
