@@ -32,6 +32,7 @@ from cascadia.engine.graphs import (
     linear,
     rms_norm,
     segment_attention,
+    stacked_linear,
 )
 from cascadia.engine.paged import PAGE
 from cascadia.engine.state import KV_BLOCK
@@ -98,9 +99,14 @@ def _layer(
     eps = shape.rms_norm_eps
 
     x = rms_norm(hidden, layer.input_norm, eps)
-    q = ops.reshape(linear(x, layer.q_proj, attention_fmt, f"l{i}.q"), _i64(-1, a.num_heads, d), False)
-    k = ops.reshape(linear(x, layer.k_proj, attention_fmt, f"l{i}.k"), _i64(-1, a.num_kv_heads, d), False)
-    v = ops.reshape(linear(x, layer.v_proj, attention_fmt, f"l{i}.v"), _i64(-1, a.num_kv_heads, d), False)
+    q, k, v = (
+        ops.reshape(p, _i64(-1, heads, d), False)
+        for p, heads in zip(
+            stacked_linear(x, [layer.q_proj, layer.k_proj, layer.v_proj], attention_fmt, f"l{i}.qkv"),
+            (a.num_heads, a.num_kv_heads, a.num_kv_heads),
+            strict=True,
+        )
+    )
     q = rotate(q, shared.cos, shared.sin, d)
     keys_new = rotate(k, shared.cos, shared.sin, d)
 

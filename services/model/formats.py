@@ -136,6 +136,33 @@ def join_output_rows(weight: Weight) -> Weight:
     return weight.map_blocks(lambda a: a.reshape(-1, *a.shape[2:]))
 
 
+def stack_output_rows(weights: list[Weight]) -> Weight | None:
+    """[N1, K], [N2, K], ... -> [N1 + N2 + ..., K], when every weight is stored alike (else None).
+
+    One matmul over the stacked rows computes what the separate matmuls would, row for row.
+    """
+    first = weights[0]
+    if all(isinstance(w, np.ndarray) for w in weights):
+        if len({(w.dtype, w.shape[1:]) for w in weights}) != 1:  # type: ignore[union-attr]
+            return None
+        return np.concatenate(weights, axis=0)  # type: ignore[arg-type]
+    if not all(isinstance(w, Quantized) and w.fmt == first.fmt and w.values.ndim == first.values.ndim for w in weights):
+        return None
+    quantized: list[Quantized] = weights  # type: ignore[assignment]
+    if len({w.values.shape[1:] for w in quantized}) != 1:
+        return None
+
+    def stacked(arrays: list[np.ndarray | None]) -> np.ndarray | None:
+        return None if arrays[0] is None else np.concatenate(arrays, axis=0)  # type: ignore[arg-type]
+
+    return Quantized(
+        first.fmt,
+        np.concatenate([w.values for w in quantized], axis=0),
+        stacked([w.scale for w in quantized]),
+        stacked([w.zero_point for w in quantized]),
+    )
+
+
 def join_input_columns(weight: Weight) -> Weight:
     """[slices, N, K/slices] -> [N, K]: undo `split_input_columns`."""
 
