@@ -180,7 +180,7 @@ def run_peer_bench(config: PeerBenchConfig, console: Console) -> dict[str, Any]:
         from cascadia.router.local import local_ranges
 
         ranges = [(0, shape.num_layers), *(local_ranges(config.model, config.shards) if config.shards else [])]
-        summary["resident"] = measure_resident(config.model, ranges)
+        summary["resident"] = measure_resident(config.model, ranges, genai=True)
     console.print(f"resident memory (MiB): {summary['resident']}")
     (config.out / "peer.json").write_text(json.dumps(summary, indent=2) + "\n")
     _plot(summary, config.out / "peer.png")
