@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import openvino as ov
 
-from cascadia.engine import graphs, llama_graphs
+from cascadia.engine import graphs, llama_graphs, mapped
 from cascadia.engine.batch import KeyPlan, Segment, StepPlan, check_segments, plan_step
 from cascadia.engine.kv_quant import STORAGE, bytes_per_element
 from cascadia.engine.paged import BlockPool, PagedTables, blocks_for, paged_tables
@@ -92,16 +92,17 @@ class _Layer:
             kv_type=settings.kv_precision,
             dense_ffn=settings.dense_ffn_path,
         )
-        self.attention_model = core.compile_model(attention_model, settings.device, residual_cfg)
+        self.attention_model = mapped.compile_model(core, attention_model, settings, residual_cfg)
         self.attention_request = self.attention_model.create_infer_request()
         self.expert_request = self.post_request = None
         self.expert_model = None
         if split:
             scale = _power_of_two_scale(weights)
             try:
-                self.expert_model = core.compile_model(
+                self.expert_model = mapped.compile_model(
+                    core,
                     graphs.expert_graph(shape, weights, settings.expert_weights, scale, settings.dense_ffn_path),
-                    settings.device,
+                    settings,
                     _compile_config(settings, settings.expert_compute),
                 )
             except RuntimeError as exc:
@@ -111,7 +112,7 @@ class _Layer:
                     "f16 arithmetic is the iGPU's, use f32 or bf16 on the CPU"
                 ) from exc
             self.expert_request = self.expert_model.create_infer_request()
-            post = core.compile_model(graphs.post_graph(shape, weights, scale), settings.device, residual_cfg)
+            post = mapped.compile_model(core, graphs.post_graph(shape, weights, scale), settings, residual_cfg)
             self.post_request = post.create_infer_request()
         # rotary positions (Llama) or log-scaled queries (Inkling's global layers) need each row's position
         self.needs_query_position = shape.family == "llama" or (
@@ -231,7 +232,7 @@ class StageEngine:
             model = graphs.embed_graph(
                 weights.embed, weights.embed_norm, self.shape.rms_norm_eps, settings.head_weights
             )
-            self._embed = core.compile_model(model, settings.device, residual_cfg).create_infer_request()
+            self._embed = mapped.compile_model(core, model, settings, residual_cfg).create_infer_request()
             tick("embedding")
         self._layers: list[_Layer | _LayerInfo] = []
         self._stage_model = self._stage_request = None
@@ -262,7 +263,7 @@ class StageEngine:
                         head,
                     )
 
-                self._compile_traced = lambda: core.compile_model(stage(again(), True), settings.device, residual_cfg)
+                self._compile_traced = lambda: mapped.compile_model(core, stage(again(), True), settings, residual_cfg)
                 model = stage(weights, False)
             else:
                 model = llama_graphs.stage_graph(
@@ -273,7 +274,7 @@ class StageEngine:
                     settings.dense_ffn_path,
                     settings.kv_precision,
                 )
-            self._stage_model = core.compile_model(model, settings.device, residual_cfg)
+            self._stage_model = mapped.compile_model(core, model, settings, residual_cfg)
             del model
             self._stage_request = self._stage_model.create_infer_request()
             if settings.paged_attention:
@@ -291,7 +292,7 @@ class StageEngine:
 
             def head_model(w: StageWeights) -> ov.CompiledModel:
                 model = graphs.head_graph(self.shape, w.final_norm, w.head, settings.head_weights)
-                return core.compile_model(model, settings.device, residual_cfg)
+                return mapped.compile_model(core, model, settings, residual_cfg)
 
             self._compile_head = lambda: head_model(again())
             if self._pool is None:  # a paged stage's graph has the head; this one serves `head_logits`

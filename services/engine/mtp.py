@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import openvino as ov
 
-from cascadia.engine import graphs
+from cascadia.engine import graphs, mapped
 from cascadia.engine.batch import Segment
 from cascadia.engine.engine import Progress, StageEngine, _compile_config, _infer
 from cascadia.engine.settings import EngineSettings
@@ -51,7 +51,7 @@ class MtpHead:
                 progress(what, done, total)
 
         embed = graphs.embed_graph(weights.embed, weights.embed_norm, shape.rms_norm_eps, settings.head_weights)
-        self._embed = core.compile_model(embed, settings.device, cfg).create_infer_request()
+        self._embed = mapped.compile_model(core, embed, settings, cfg).create_infer_request()
         tick("MTP embedding")
         self._inputs: list[ov.InferRequest] = []
         self.blocks: list[StageEngine] = []
@@ -64,13 +64,13 @@ class MtpHead:
                 weights.final_norm if k == 0 else None,
                 settings.attention_weights,
             )
-            self._inputs.append(core.compile_model(model, settings.device, cfg).create_infer_request())
+            self._inputs.append(mapped.compile_model(core, model, settings, cfg).create_infer_request())
             tick(f"MTP depth {k} input")
             block = StageWeights(shape, k, k + 1, (depth.block,), None, None, None, None)
             self.blocks.append(StageEngine(block, settings))
             tick(f"MTP depth {k} block")
         logits = graphs.head_graph(shape, None, weights.head, settings.head_weights, self.vocab)
-        self._logits = core.compile_model(logits, settings.device, cfg).create_infer_request()
+        self._logits = mapped.compile_model(core, logits, settings, cfg).create_infer_request()
         tick("MTP head")
 
     def open(self, stream: Hashable) -> None:

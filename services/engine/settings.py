@@ -45,6 +45,9 @@ class EngineSettings:
     # Llama-family stages: "paged" attends through OpenVINO's PagedAttention op over block pools the
     # plugin writes in place; "blocks" through our own graph over the cache's blocks; "auto" per device
     llama_attention: LlamaAttention = "auto"
+    # compiled graphs read their weights through a file mapping (`cascadia.engine.mapped`), which the
+    # system can drop under pressure, instead of holding them in anonymous memory
+    map_weights: bool = True
 
     def __post_init__(self) -> None:
         for name in ("expert_weights", "attention_weights", "head_weights"):

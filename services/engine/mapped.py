@@ -1,0 +1,80 @@
+"""Stage weights the device plugin reads through a file mapping instead of holding in anonymous memory.
+
+A graph built in memory carries its weights as constants in the process's heap, and the CPU plugin
+keeps them beside its own repacked layout: every weight twice, both anonymous. Written as OpenVINO IR
+and read back, the constants map the IR's weight file instead: the system can drop those pages under
+pressure and read them again when touched, as it does for any file. The files are removed as soon as
+they are read; the mapping keeps the data until the last constant is gone.
+
+The directory is `$CASCADIA_CACHE_DIR`, else `$XDG_CACHE_HOME/cascadia`, else `~/.cache/cascadia`. It
+must be on a disk: on tmpfs the pages would stay in memory. When it cannot be written, the weights
+stay in memory and the process says so once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import openvino as ov
+
+from cascadia.engine.settings import EngineSettings
+
+log = logging.getLogger(__name__)
+
+CACHE_ENV = "CASCADIA_CACHE_DIR"
+
+# run-time info the IR serialiser drops and a plugin needs, by op type
+_KEPT_RT_INFO = {"PagedAttentionExtension": ("num_k_heads", "k_head_size", "num_v_heads", "v_head_size")}
+
+_warned = False
+
+
+def cache_root() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cascadia"
+
+
+def _kept_rt_info(model: ov.Model) -> dict[str, dict[str, int]]:
+    kept = {}
+    for op in model.get_ops():
+        keys = _KEPT_RT_INFO.get(op.get_type_name())
+        if keys:
+            info = op.get_rt_info()
+            kept[op.get_friendly_name()] = {key: int(info[key].astype(int)) for key in keys}
+    return kept
+
+
+def mapped_copy(core: ov.Core, model: ov.Model, device: str) -> ov.Model | None:
+    """`model` with its constants mapping a weight file, or None when no file could be written."""
+    global _warned
+    root = cache_root()
+    kept = _kept_rt_info(model)
+    # the IR reader knows a plugin's own ops (PagedAttention) once the core has loaded that plugin
+    core.get_versions(device)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=root, prefix="stage-") as tmp:
+            path = Path(tmp) / "stage.xml"
+            ov.save_model(model, path, compress_to_fp16=False)
+            mapped = core.read_model(path)
+    except (OSError, RuntimeError) as exc:
+        if not _warned:
+            log.warning("weights stay in memory: cannot write them under %s (%s); set %s", root, exc, CACHE_ENV)
+            _warned = True
+        return None
+    for op in mapped.get_ops():
+        for key, value in kept.get(op.get_friendly_name(), {}).items():
+            op.get_rt_info()[key] = value
+    return mapped
+
+
+def compile_model(core: ov.Core, model: ov.Model, settings: EngineSettings, config: dict[str, str]) -> ov.CompiledModel:
+    """Compile `model` for the settings' device, its weights read through a file mapping when the
+    settings say so (and a file can be written)."""
+    if settings.map_weights:
+        model = mapped_copy(core, model, settings.device) or model
+    return core.compile_model(model, settings.device, config)

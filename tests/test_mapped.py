@@ -1,0 +1,81 @@
+"""Compiled stages read their weights through a file mapping, and give what in-memory weights give."""
+
+from __future__ import annotations
+
+import gc
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cascadia.engine import mapped
+from cascadia.engine.batch import Segment
+from cascadia.engine.engine import StageEngine
+from cascadia.engine.settings import EngineSettings
+from cascadia.model.loader import load_shape, load_stage, resolve
+
+
+def _mapped_weight_files(root: Path) -> list[str]:
+    lines = Path("/proc/self/maps").read_text().splitlines()
+    return [line for line in lines if str(root) in line and "stage.bin" in line]
+
+
+def _decode(engine: StageEngine, prompt: list[int], steps: int) -> tuple[list[int], np.ndarray]:
+    engine.open("s")
+    try:
+        logits = engine.step([Segment("s", 0, len(prompt))], np.array(prompt), np.array([len(prompt) - 1])).logits
+        ids, last = [int(logits[-1].argmax())], logits[-1]
+        for position in range(len(prompt), len(prompt) + steps - 1):
+            last = engine.step([Segment("s", position, 1)], np.array(ids[-1:])).logits[-1]
+            ids.append(int(last.argmax()))
+        return ids, last
+    finally:
+        engine.close("s")
+
+
+@pytest.mark.parametrize("model", ["tiny", "smollm2-135m"])
+def test_mapped_weights_give_the_in_memory_outputs_and_leave_no_files(model, tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv(mapped.CACHE_ENV, str(tmp_path))
+    path = tiny if model == "tiny" else resolve(model)
+    layers = load_shape(path).num_layers
+    in_memory = StageEngine(load_stage(path, 0, layers), EngineSettings(map_weights=False))
+    assert not _mapped_weight_files(tmp_path)
+    on_disk = StageEngine(load_stage(path, 0, layers), EngineSettings())
+    # the weight files are gone from the directory, yet mapped (deleted) until the engine goes
+    assert list(tmp_path.iterdir()) == []
+    assert _mapped_weight_files(tmp_path) and all("(deleted)" in line for line in _mapped_weight_files(tmp_path))
+    prompt = [5, 17, 300, 42, 77, 9]
+    ids, logits = _decode(on_disk, prompt, 12)
+    expected_ids, expected_logits = _decode(in_memory, prompt, 12)
+    assert ids == expected_ids
+    np.testing.assert_array_equal(logits, expected_logits)
+    del on_disk
+    gc.collect()
+    assert not _mapped_weight_files(tmp_path)
+
+
+def test_a_paged_last_stage_alone_reads_its_attention_back(tmp_path, monkeypatch):
+    """The last stage compiles PagedAttention first thing: its ops and run-time info survive the file."""
+    monkeypatch.setenv(mapped.CACHE_ENV, str(tmp_path))
+    path = resolve("smollm2-135m")
+    layers = load_shape(path).num_layers
+    engine = StageEngine(load_stage(path, layers - 2, layers), EngineSettings())
+    assert _mapped_weight_files(tmp_path)
+    engine.open("s")
+    hidden = np.random.default_rng(0).standard_normal((3, engine.shape.hidden_size)).astype(np.float32)
+    logits = engine.step([Segment("s", 0, 3)], hidden).logits
+    assert logits.shape == (3, engine.shape.vocab_size) and np.isfinite(logits).all()
+
+
+def test_an_unwritable_directory_keeps_weights_in_memory_and_says_so(tiny, tmp_path, monkeypatch, caplog):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    monkeypatch.setenv(mapped.CACHE_ENV, str(blocked / "cache"))
+    monkeypatch.setattr(mapped, "_warned", False)
+    with caplog.at_level(logging.WARNING, logger="cascadia.engine.mapped"):
+        engine = StageEngine(load_stage(tiny, 0, load_shape(tiny).num_layers), EngineSettings())
+    assert [r for r in caplog.records if "weights stay in memory" in r.getMessage()]
+    assert len(caplog.records) == 1  # said once, not once per compiled graph
+    ids, _ = _decode(engine, [5, 17, 300], 4)
+    assert len(ids) == 4
