@@ -92,6 +92,10 @@ def test_eleven_nodes_get_six_layers_each_pinned_with_a_device_and_a_chained_nex
         else:
             assert args[args.index("--reply-to") + 1].startswith("inkling-router.serving.svc:")
         assert container["volumeMounts"][0]["mountPath"] == "/models/inkling"
+        # compiled weights are mapped from a disk-backed scratch volume: the root filesystem is read-only
+        cache = next(m for m in container["volumeMounts"] if m["name"] == "weights-cache")
+        assert {"name": "CASCADIA_CACHE_DIR", "value": cache["mountPath"]} in container["env"]
+        assert {"name": "weights-cache", "emptyDir": {}} in pod["volumes"]
         assert container["readinessProbe"]["exec"]["command"][:2] == ["cascadia", "probe"]
     kinds = sorted({(c["kind"], c["metadata"]["name"]) for c in children} - {("StatefulSet", n) for n in shards})
     assert ("Deployment", "inkling-router") in kinds and ("Deployment", "inkling-gateway") in kinds

@@ -152,6 +152,12 @@ def _workload_pod(
     return {"metadata": {"labels": labels(fleet, component, **extra_labels)}, "spec": pod}
 
 
+# where a shard writes each compiled graph's weights to read them back through a file mapping (the root
+# filesystem is read-only); on the node's disk, not in memory, or the mapping would save nothing
+WEIGHTS_CACHE = "/var/cache/cascadia"
+_WEIGHTS_CACHE_VOLUME = {"name": "weights-cache", "emptyDir": {}}
+
+
 def shard_statefulset(fleet: Fleet, plan: FleetPlan, stage: int) -> dict[str, Any]:
     spec = fleet.spec
     placed = plan.stages[stage]
@@ -174,12 +180,16 @@ def shard_statefulset(fleet: Fleet, plan: FleetPlan, stage: int) -> dict[str, An
         ports=[{"name": "grpc", "containerPort": SHARD_PORT, "protocol": "TCP"}],
         readinessProbe=_probe(SHARD_PORT),
         resources=_resources(spec, "shard", requests={"memory": str(memory), device: 1}, limits={device: 1}),
-        volumeMounts=[{"name": "model", "mountPath": model_path, "readOnly": True}],
+        volumeMounts=[
+            {"name": "model", "mountPath": model_path, "readOnly": True},
+            {"name": "weights-cache", "mountPath": WEIGHTS_CACHE},
+        ],
         env=[{"name": "CASCADIA_STAGE", "value": str(stage)}, {"name": "CASCADIA_ROLE", "value": "last" if last else (
-            "first" if stage == 0 else "middle")}],
+            "first" if stage == 0 else "middle")}, {"name": "CASCADIA_CACHE_DIR", "value": WEIGHTS_CACHE}],
     )  # fmt: skip
     name = shard_name(fleet, stage)
     stage_labels = {STAGE_LABEL: str(stage)}
+    volumes = [_model_volume(spec), _WEIGHTS_CACHE_VOLUME]
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -190,7 +200,7 @@ def shard_statefulset(fleet: Fleet, plan: FleetPlan, stage: int) -> dict[str, An
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector(fleet, "shard", **stage_labels)},
             "template": _workload_pod(
-                fleet, "shard", [container], [_model_volume(spec)], _node_affinity([placed.node]), **stage_labels
+                fleet, "shard", [container], volumes, _node_affinity([placed.node]), **stage_labels
             ),
         },
     }
