@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -79,3 +81,16 @@ def test_an_unwritable_directory_keeps_weights_in_memory_and_says_so(tiny, tmp_p
     assert len(caplog.records) == 1  # said once, not once per compiled graph
     ids, _ = _decode(engine, [5, 17, 300], 4)
     assert len(ids) == 4
+
+
+def test_directories_left_by_a_dead_process_are_swept_and_fresh_ones_kept(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv(mapped.CACHE_ENV, str(tmp_path))
+    old, fresh = tmp_path / "stage-old", tmp_path / "stage-fresh"
+    for d in (old, fresh):
+        d.mkdir()
+        (d / "stage.bin").write_bytes(b"x")
+    hours_ago = time.time() - 2 * mapped.STALE_AFTER_S
+    os.utime(old, (hours_ago, hours_ago))
+    assert mapped.stale_dirs(tmp_path, time.time()) == [old]
+    StageEngine(load_stage(tiny, 0, load_shape(tiny).num_layers), EngineSettings())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stage-fresh"]

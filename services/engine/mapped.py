@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import openvino as ov
@@ -29,6 +31,10 @@ CACHE_ENV = "CASCADIA_CACHE_DIR"
 # run-time info the IR serialiser drops and a plugin needs, by op type
 _KEPT_RT_INFO = {"PagedAttentionExtension": ("num_k_heads", "k_head_size", "num_v_heads", "v_head_size")}
 
+# a directory is removed seconds after it is written, unless its process died in between; one this old is
+# left over (writing even a large stage's weights takes minutes)
+STALE_AFTER_S = 3600.0
+
 _warned = False
 
 
@@ -36,6 +42,11 @@ def cache_root() -> Path:
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cascadia"
+
+
+def stale_dirs(root: Path, now: float, max_age_s: float = STALE_AFTER_S) -> list[Path]:
+    """Directories this module left under `root` whose process died before removing them."""
+    return [d for d in root.glob("stage-*") if d.is_dir() and now - d.stat().st_mtime > max_age_s]
 
 
 def _kept_rt_info(model: ov.Model) -> dict[str, dict[str, int]]:
@@ -57,6 +68,8 @@ def mapped_copy(core: ov.Core, model: ov.Model, device: str) -> ov.Model | None:
     core.get_versions(device)
     try:
         root.mkdir(parents=True, exist_ok=True)
+        for leftover in stale_dirs(root, time.time()):
+            shutil.rmtree(leftover, ignore_errors=True)
         with tempfile.TemporaryDirectory(dir=root, prefix="stage-") as tmp:
             path = Path(tmp) / "stage.xml"
             ov.save_model(model, path, compress_to_fp16=False)
