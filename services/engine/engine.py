@@ -217,7 +217,10 @@ class StageEngine:
         self.is_first = weights.embed is not None
         self.is_last = weights.head is not None
         core = ov.Core()
-        total = len(weights.layers) + int(self.is_first) + int(self.is_last)
+        # a paged Llama stage's graph starts from the token ids itself: one call per step, not two
+        paged_llama = self.shape.family == "llama" and not settings.split_expert_graph and settings.paged_attention
+        self._embeds_in_stage = self.is_first and paged_llama
+        total = len(weights.layers) + int(self.is_first and not self._embeds_in_stage) + int(self.is_last)
         done = 0
 
         def tick(what: str) -> None:
@@ -228,7 +231,7 @@ class StageEngine:
 
         self._embed = self._head = None
         residual_cfg = _compile_config(settings, settings.residual_compute)
-        if self.is_first:
+        if self.is_first and not self._embeds_in_stage:
             model = graphs.embed_graph(
                 weights.embed, weights.embed_norm, self.shape.rms_norm_eps, settings.head_weights
             )
@@ -252,6 +255,9 @@ class StageEngine:
                 def stage(w: StageWeights, layer_outputs: bool) -> ov.Model:
                     # the last stage ends in the head too: one call per step, not two
                     head = llama_graphs.StageHead(w.final_norm, w.head, settings.head_weights) if self.is_last else None
+                    embed = None
+                    if self._embeds_in_stage:
+                        embed = llama_graphs.StageEmbed(w.embed, w.embed_norm, settings.head_weights)
                     return llama_graphs.paged_stage_graph(
                         self.shape,
                         w.layers,
@@ -261,6 +267,7 @@ class StageEngine:
                         settings.kv_precision,
                         layer_outputs,
                         head,
+                        embed,
                     )
 
                 self._compile_traced = lambda: mapped.compile_model(core, stage(again(), True), settings, residual_cfg)
@@ -435,7 +442,10 @@ class StageEngine:
                 raise ValueError(f"expected {rows} integer token ids, got array of shape {ids.shape}")
             if ids.size and (ids.min() < 0 or ids.max() >= self.shape.vocab_size):
                 raise ValueError(f"token ids must lie in [0, {self.shape.vocab_size})")
-            hidden = _infer(self._embed, {"input_ids": ids.astype(np.int32)})["hidden"]
+            if self._embeds_in_stage:
+                hidden = ids.astype(np.int32)  # the stage's graph embeds them
+            else:
+                hidden = _infer(self._embed, {"input_ids": ids.astype(np.int32)})["hidden"]
         else:
             hidden = np.ascontiguousarray(inputs, dtype=np.float32)
             if hidden.shape != (rows, self.shape.hidden_size):
@@ -512,7 +522,8 @@ class StageEngine:
                 request.set_tensor(f"key_cache_{n}", ov.Tensor(keys, shared_memory=True))
                 request.set_tensor(f"value_cache_{n}", ov.Tensor(values, shared_memory=True))
             self._bound_pool[id(request)] = self._pool.generation
-        inputs = {"hidden": hidden, "query_position": tables.row_position.astype(np.float32), **tables.as_inputs()}
+        first = "input_ids" if self._embeds_in_stage else "hidden"
+        inputs = {first: hidden, "query_position": tables.row_position.astype(np.float32), **tables.as_inputs()}
         wanted = ["hidden_out"]
         if logit_rows is not None:
             inputs["logit_rows"] = logit_rows.astype(np.int32)

@@ -459,11 +459,15 @@ def post_graph(shape: ModelShape, layer: LayerWeights, out_scale: float) -> ov.M
     )
 
 
-def embed_graph(embed: Weight, embed_norm: np.ndarray | None, eps: float, fmt: WeightFormat) -> ov.Model:
-    """Embedding rows, normed when the model norms them (Inkling does, Llama does not)."""
-    ids = _param("input_ids", [-1], "i32")
+def embed_rows(ids: Node, embed: Weight, embed_norm: np.ndarray | None, eps: float, fmt: WeightFormat) -> Node:
+    """Embedding rows of `ids`, normed when the model norms them (Inkling does, Llama does not)."""
     rows = ops.gather(weight_node(embed, fmt, "embed"), ids, _i64(0))
-    out = _named(rows if embed_norm is None else rms_norm(rows, embed_norm, eps), "hidden")
+    return rows if embed_norm is None else rms_norm(rows, embed_norm, eps)
+
+
+def embed_graph(embed: Weight, embed_norm: np.ndarray | None, eps: float, fmt: WeightFormat) -> ov.Model:
+    ids = _param("input_ids", [-1], "i32")
+    out = _named(embed_rows(ids, embed, embed_norm, eps, fmt), "hidden")
     return ov.Model([ops.result(out)], [ids], "embed")
 
 

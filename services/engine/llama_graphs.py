@@ -247,22 +247,27 @@ def paged_stage_graph(
     kv_type: str = "f32",
     layer_outputs: bool = True,
     head: StageHead | None = None,
+    embed: StageEmbed | None = None,
 ) -> ov.Model:
     """Every layer of a stage in one model, attending through PagedAttention over block pools.
 
-    Inputs: `hidden`, `query_position`, the sequence tables (`paged.PagedTables.as_inputs`) and each
-    layer's pools `key_cache_{n}` / `value_cache_{n}` [blocks, kv_heads, PAGE, D], which the op
-    updates in place; outputs: each layer's output `layer_out_{n}` (with `layer_outputs`) and
-    `hidden_out`. With `head` (the last stage), also `logits` of the rows listed in `logit_rows`.
+    Inputs: `hidden` (or with `embed`, the first stage, `input_ids`), `query_position`, the sequence
+    tables (`paged.PagedTables.as_inputs`) and each layer's pools `key_cache_{n}` / `value_cache_{n}`
+    [blocks, kv_heads, PAGE, D], which the op updates in place; outputs: each layer's output
+    `layer_out_{n}` (with `layer_outputs`) and `hidden_out`. With `head` (the last stage), also
+    `logits` of the rows listed in `logit_rows`.
     """
-    hidden = _param("hidden", [-1, shape.hidden_size])
+    if embed is None:
+        first = x = _param("hidden", [-1, shape.hidden_size])
+    else:
+        first = _param("input_ids", [-1], "i32")
+        x = graphs.embed_rows(first, embed.weight, embed.norm, shape.rms_norm_eps, embed.fmt)
     shared_params, shared = _shared_inputs(shape)
     position = shared_params[-1]
     tables = tuple(_param(name, [-1], "i32") for name in PAGED_TABLES)
     max_context_len = _param("max_context_len", [], "i32")
     unused = _unused_paged_inputs()
-    params, results = [hidden, position, *tables, max_context_len], []
-    x = hidden
+    params, results = [first, position, *tables, max_context_len], []
     for n, layer in enumerate(layers):
         a = shape.layer_attention(layer.index)
         pools = [_param(f"{kv}_cache_{n}", [-1, a.num_kv_heads, PAGE, a.head_dim], kv_type) for kv in ("key", "value")]
@@ -278,6 +283,15 @@ def paged_stage_graph(
         chosen = ops.gather(x, logit_rows, _i64(0))
         results.append(_named(graphs.head_logits(shape, chosen, head.final_norm, head.weight, head.fmt), "logits"))
     return ov.Model([ops.result(n) for n in results], params, "stage_llama_paged")
+
+
+@dataclass(frozen=True)
+class StageEmbed:
+    """What the first stage's graph needs to start from token ids."""
+
+    weight: graphs.Weight
+    norm: np.ndarray | None
+    fmt: WeightFormat
 
 
 @dataclass(frozen=True)
