@@ -507,10 +507,11 @@ class StageEngine:
             del fresh[:count]
 
     def _run_paged_stage(
-        self, tables: PagedTables, hidden: np.ndarray, trace: list[np.ndarray] | None, logit_rows: np.ndarray | None
+        self, tables: PagedTables, rows_in: np.ndarray, trace: list[np.ndarray] | None, logit_rows: np.ndarray | None
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """Every layer in one call, PagedAttention writing the step's keys and values into the pool; on
-        the last stage the same call ends in the logits of `logit_rows`."""
+        the last stage the same call ends in the logits of `logit_rows`. `rows_in` holds residual rows,
+        or the token ids on a stage whose graph embeds them."""
         assert self._pool is not None and self._stage_request is not None
         request = self._stage_request
         if trace is not None:
@@ -523,7 +524,7 @@ class StageEngine:
                 request.set_tensor(f"value_cache_{n}", ov.Tensor(values, shared_memory=True))
             self._bound_pool[id(request)] = self._pool.generation
         first = "input_ids" if self._embeds_in_stage else "hidden"
-        inputs = {first: hidden, "query_position": tables.row_position.astype(np.float32), **tables.as_inputs()}
+        inputs = {first: rows_in, "query_position": tables.row_position.astype(np.float32), **tables.as_inputs()}
         wanted = ["hidden_out"]
         if logit_rows is not None:
             inputs["logit_rows"] = logit_rows.astype(np.int32)

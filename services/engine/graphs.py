@@ -213,7 +213,7 @@ def linear(x: Node, weight: Weight, fmt: WeightFormat, name: str) -> Node:
     return ops.matmul(x, weight_node(weight, fmt, name), transpose_a=False, transpose_b=True)
 
 
-def stacked_linear(x: Node, weights: list[Weight], fmt: WeightFormat, name: str) -> list[Node]:
+def stacked_linear(x: Node, weights: list[Weight], fmt: WeightFormat, name: str) -> list[Node | ov.Output]:
     """x times each weight, as one matmul over the stacked rows split after it when they are stored alike.
 
     One compressed matmul instead of several: fewer nodes, each a thread hand-off per step.

@@ -28,14 +28,12 @@ log = logging.getLogger(__name__)
 
 CACHE_ENV = "CASCADIA_CACHE_DIR"
 
-# run-time info the IR serialiser drops and a plugin needs, by op type
-_KEPT_RT_INFO = {"PagedAttentionExtension": ("num_k_heads", "k_head_size", "num_v_heads", "v_head_size")}
-
 # a directory is removed seconds after it is written, unless its process died in between; one this old is
 # left over (writing even a large stage's weights takes minutes)
 STALE_AFTER_S = 3600.0
 
 _warned = False
+_swept: set[Path] = set()  # cache roots already cleared of leftovers by this process
 
 
 def cache_root() -> Path:
@@ -49,27 +47,40 @@ def stale_dirs(root: Path, now: float, max_age_s: float = STALE_AFTER_S) -> list
     return [d for d in root.glob("stage-*") if d.is_dir() and now - d.stat().st_mtime > max_age_s]
 
 
-def _kept_rt_info(model: ov.Model) -> dict[str, dict[str, int]]:
-    kept = {}
+def _rt_info(model: ov.Model) -> dict[str, dict[str, int | str]]:
+    """Each op's run-time info that a plugin may read (PagedAttention's head sizes), by op name."""
+    kept: dict[str, dict[str, int | str]] = {}
     for op in model.get_ops():
-        keys = _KEPT_RT_INFO.get(op.get_type_name())
-        if keys:
-            info = op.get_rt_info()
-            kept[op.get_friendly_name()] = {key: int(info[key].astype(int)) for key in keys}
+        info = op.get_rt_info()
+        values = {key: info[key].value for key in info}
+        plain = {key: value for key, value in values.items() if isinstance(value, int | str)}
+        if plain:
+            kept[op.get_friendly_name()] = plain
     return kept
+
+
+def _restore_rt_info(model: ov.Model, kept: dict[str, dict[str, int | str]]) -> None:
+    """Put back what the IR serialiser dropped (it keeps only some run-time info)."""
+    for op in model.get_ops():
+        info = op.get_rt_info()
+        for key, value in kept.get(op.get_friendly_name(), {}).items():
+            if key not in info:
+                info[key] = value
 
 
 def mapped_copy(core: ov.Core, model: ov.Model, device: str) -> ov.Model | None:
     """`model` with its constants mapping a weight file, or None when no file could be written."""
     global _warned
     root = cache_root()
-    kept = _kept_rt_info(model)
+    kept = _rt_info(model)
     # the IR reader knows a plugin's own ops (PagedAttention) once the core has loaded that plugin
     core.get_versions(device)
     try:
         root.mkdir(parents=True, exist_ok=True)
-        for leftover in stale_dirs(root, time.time()):
-            shutil.rmtree(leftover, ignore_errors=True)
+        if root not in _swept:
+            for leftover in stale_dirs(root, time.time()):
+                shutil.rmtree(leftover, ignore_errors=True)
+            _swept.add(root)
         with tempfile.TemporaryDirectory(dir=root, prefix="stage-") as tmp:
             path = Path(tmp) / "stage.xml"
             ov.save_model(model, path, compress_to_fp16=False)
@@ -79,9 +90,7 @@ def mapped_copy(core: ov.Core, model: ov.Model, device: str) -> ov.Model | None:
             log.warning("weights stay in memory: cannot write them under %s (%s); set %s", root, exc, CACHE_ENV)
             _warned = True
         return None
-    for op in mapped.get_ops():
-        for key, value in kept.get(op.get_friendly_name(), {}).items():
-            op.get_rt_info()[key] = value
+    _restore_rt_info(mapped, kept)
     return mapped
 
 
