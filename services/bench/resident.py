@@ -5,8 +5,8 @@ The baseline is taken after the process has compiled a one-node model on the dev
 plugin's code and thread pools (paid once per process, whatever it serves) are not counted as the
 model's. A GGUF file is also loaded by OpenVINO GenAI's `LLMPipeline` the same way, as the peer.
 
-`python -m cascadia.bench.resident MODEL START:END` (or `MODEL genai`) is the child; `measure_resident`
-runs one child per range so that no range inherits another's allocations.
+`python -m cascadia.bench.resident MODEL START:END [--weights-in-memory]` (or `MODEL genai`) is the
+child; `measure_resident` runs one child per range so that no range inherits another's allocations.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _growth(layers: Any, before: Any, loaded: Any, serving: Any) -> dict[str, An
     }
 
 
-def _child(model: Path, start: int, end: int) -> dict[str, Any]:
+def _child(model: Path, start: int, end: int, map_weights: bool = True) -> dict[str, Any]:
     import numpy as np
     import psutil
 
@@ -64,7 +64,7 @@ def _child(model: Path, start: int, end: int) -> dict[str, Any]:
     _load_plugin()
     process = psutil.Process()
     before = process.memory_info()
-    engine = load_engine(model, EngineSettings(), start, end)
+    engine = load_engine(model, EngineSettings(map_weights=map_weights), start, end)
     loaded = process.memory_info()
     engine.open("resident")
     width = engine.shape.hidden_size
@@ -118,5 +118,6 @@ if __name__ == "__main__":
         result = _genai_child(path)
     else:
         first, last = (int(x) for x in sys.argv[2].split(":"))
-        result = _child(path, first, last)
+        # `--weights-in-memory`: the graphs keep their constants in memory (EngineSettings.map_weights off)
+        result = _child(path, first, last, map_weights="--weights-in-memory" not in sys.argv[3:])
     sys.stdout.write(json.dumps(result) + "\n")
