@@ -972,9 +972,18 @@ def bench_engine(
     repeats: Annotated[int, typer.Option(min=1, help="Measurements per point (median reported).")] = 3,
     oracle: Annotated[bool, typer.Option(help="Also time transformers on the same checkpoint.")] = True,
     threads: Annotated[int, typer.Option(help="Threads for both engines (0: all cores).")] = 0,
+    expert_kernels: Annotated[
+        str, typer.Option(help="Expert kernels to run each precision with: auto (the device's pick), fused, grouped.")
+    ] = "auto",
 ) -> None:
     """Decode and prefill throughput of the engine against transformers and the bandwidth floor."""
     from cascadia.bench.engine import EngineBenchConfig, run_engine_bench
+    from cascadia.engine.settings import EXPERT_KERNELS
+
+    kernels = tuple(k for k in expert_kernels.split(",") if k)
+    for kernel in kernels:
+        if kernel not in EXPERT_KERNELS:
+            raise fail(f"--expert-kernels: '{kernel}' is not one of {', '.join(EXPERT_KERNELS)}")
 
     config = EngineBenchConfig(
         model=model,
@@ -985,6 +994,7 @@ def bench_engine(
         repeats=repeats,
         oracle=oracle,
         threads=threads,
+        expert_kernels=kernels or ("auto",),
     )
     summary = run_engine_bench(config, err)
     sys.stdout.write(json.dumps(summary, indent=2) + "\n")

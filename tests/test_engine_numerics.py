@@ -33,6 +33,21 @@ def run_prompt(engine: StageEngine, ids: list[int]) -> tuple[list[np.ndarray], n
     return trace, result.logits
 
 
+def run_streams_together(engine: StageEngine, prompts: list[list[int]]) -> list[np.ndarray]:
+    """Every prompt's prefill in one step, then one decode row per stream: each step's hidden rows."""
+    names = [f"s{n}" for n in range(len(prompts))]
+    for name in names:
+        engine.open(name)
+    segments = [Segment(name, 0, len(ids)) for name, ids in zip(names, prompts, strict=True)]
+    prefill = engine.step(segments, np.concatenate([np.array(ids) for ids in prompts]))
+    decode = engine.step(
+        [Segment(name, len(ids), 1) for name, ids in zip(names, prompts, strict=True)], np.arange(2, 2 + len(prompts))
+    )
+    for name in names:
+        engine.close(name)
+    return [prefill.hidden, decode.hidden]
+
+
 @pytest.mark.parametrize("variant", ["tiny", "tiny-alt"])
 @pytest.mark.parametrize("prompt", list(PROMPTS))
 def test_every_layer_matches_the_oracle_in_f32(checkpoints, variant, prompt):
@@ -115,10 +130,25 @@ def test_both_checkpoint_layouts_give_identical_outputs(checkpoints):
 @pytest.mark.parametrize("mode", ["f32", "bf16", "int8", "int4"])
 def test_expert_banks_compile_to_fused_gather_matmuls(tiny, mode):
     """Routed + shared experts (and dense slices, the iGPU's form) run as fused MoE kernels, not a Tile over all."""
-    engine = StageEngine(load_stage(tiny, 0, 3), preset(mode, dense_ffn="experts"))
+    engine = StageEngine(load_stage(tiny, 0, 3), preset(mode, dense_ffn="experts", expert_kernel="fused"))
     for layer_ops in engine.runtime_ops():
         assert layer_ops.get("GatherMatmul", 0) == 3, layer_ops
         assert "Tile" not in layer_ops and "ScatterElementsUpdate" not in layer_ops
+
+
+@pytest.mark.parametrize("mode", ["f32", "bf16", "int8", "int4"])
+def test_grouped_experts_equal_the_fused_kernel(tiny, mode):
+    """Each expert's rows as one matmul give the fused kernel's outputs, rows of many streams at once."""
+    shape = load_shape(tiny)
+    weights = load_stage(tiny, 0, shape.num_layers)
+    engines = {kernel: StageEngine(weights, preset(mode, expert_kernel=kernel)) for kernel in ("fused", "grouped")}
+    per_bank = 2 * (shape.n_routed_experts + shape.n_shared_experts)  # gate and up stacked, then down
+    for layer, layer_ops in zip(range(shape.num_layers), engines["grouped"].runtime_ops(), strict=False):
+        if not shape.is_dense(layer):
+            assert "GatherMatmul" not in layer_ops and layer_ops.get("FullyConnected", 0) >= per_bank, layer_ops
+    outputs = {kernel: run_streams_together(engine, list(PROMPTS.values())) for kernel, engine in engines.items()}
+    for fused, grouped in zip(outputs["fused"], outputs["grouped"], strict=True):
+        assert relative_rms(grouped, fused) <= (1e-2 if mode == "bf16" else 1e-5)
 
 
 @pytest.mark.parametrize("mode", ["f32", "bf16", "int4"])
@@ -130,7 +160,7 @@ def test_dense_layer_as_plain_matmuls_equals_expert_slices(tiny, mode):
     ids = PROMPTS["long"]
     outputs = {}
     for form in ("experts", "matmul"):
-        engine = StageEngine(weights, preset(mode, dense_ffn=form))
+        engine = StageEngine(weights, preset(mode, dense_ffn=form, expert_kernel="fused"))
         if form == "matmul":
             dense_ops, sparse_ops = engine.runtime_ops()
             assert "GatherMatmul" not in dense_ops and sparse_ops.get("GatherMatmul", 0) == 3

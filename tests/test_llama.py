@@ -293,7 +293,9 @@ def test_smollm_dense_layers_compile_to_the_form_asked_for(smollm_engine):
     assert "input_ids" in {port.get_any_name() for port in smollm_engine._stage_model.inputs}
     assert smollm_engine._embed is None
     path = resolve(SMOLLM)
-    sliced = StageEngine(load_stage(path, 0, load_shape(path).num_layers), EngineSettings(dense_ffn="experts"))
+    sliced = StageEngine(
+        load_stage(path, 0, load_shape(path).num_layers), EngineSettings(dense_ffn="experts", expert_kernel="fused")
+    )
     (ops,) = sliced.runtime_ops()
     assert ops.get("GatherMatmul", 0) + ops.get("GatherMatmulCompressed", 0) >= 3 * 30, ops
 

@@ -6,6 +6,7 @@ in f32 with the same thread count, and the machine's read bandwidth, so every fi
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
@@ -36,6 +37,8 @@ class EngineBenchConfig:
     out: Path
     streams: tuple[int, ...] = (1, 8, 32)
     precisions: tuple[str, ...] = ("f32", "bf16", "int8", "int4")
+    # each precision with each of these expert kernels ("auto": the one the device picks)
+    expert_kernels: tuple[str, ...] = ("auto",)
     steps: int = 16
     repeats: int = 3
     oracle: bool = True
@@ -221,24 +224,30 @@ def run_engine_bench(config: EngineBenchConfig, console: Console) -> dict[str, A
         "engine": {},
     }
     weights = load_stage(model_dir, 0, shape.num_layers)
-    for mode in config.precisions:
-        with console.status(f"compiling {mode}"):
-            engine = StageEngine(weights, preset(mode, threads=config.threads))
-        entry: dict[str, Any] = {"decode": {}, "fused_ops": engine.runtime_ops()[-1]}
+    for mode, kernel in itertools.product(config.precisions, config.expert_kernels):
+        label = mode if kernel == "auto" else f"{mode} {kernel}"
+        with console.status(f"compiling {label}"):
+            settings = preset(mode, threads=config.threads, expert_kernel=kernel)
+            engine = StageEngine(weights, settings)
+        entry: dict[str, Any] = {
+            "decode": {},
+            "expert_kernel": settings.expert_kernel_path,
+            "fused_ops": engine.runtime_ops()[-1],
+        }
         for count in config.streams:
-            with console.status(f"{mode}: decode at {count} streams"):
+            with console.status(f"{label}: decode at {count} streams"):
                 result = measure_engine(engine, count, config.steps, config.repeats, shape.unpadded_vocab_size)
             floor_s = step_weight_bytes(shape, mode, count) / bandwidth
             result["floor_step_s"] = floor_s
             result["fraction_of_floor"] = floor_s / result["step_s"]
             entry["decode"][str(count)] = result
             console.print(
-                f"{mode:5s} {count:3d} streams: {result['tokens_per_s']:8.1f} tok/s "
+                f"{label:12s} {count:3d} streams: {result['tokens_per_s']:8.1f} tok/s "
                 f"({result['fraction_of_floor']:.2f} of the bandwidth floor)"
             )
-        with console.status(f"{mode}: prefill"):
+        with console.status(f"{label}: prefill"):
             entry["prefill_tokens_per_s"] = measure_prefill(engine, config.repeats, shape.unpadded_vocab_size)
-        summary["engine"][mode] = entry
+        summary["engine"][label] = entry
         del engine
     del weights
     with console.status("dense layer both ways"):

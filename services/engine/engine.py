@@ -90,7 +90,7 @@ class _Layer:
             settings.attention_weights,
             None if split else settings.expert_weights,
             kv_type=settings.kv_precision,
-            dense_ffn=settings.dense_ffn_path,
+            ffn=settings.ffn_form,
         )
         self.attention_model = mapped.compile_model(core, attention_model, settings, residual_cfg)
         self.attention_request = self.attention_model.create_infer_request()
@@ -101,7 +101,7 @@ class _Layer:
             try:
                 self.expert_model = mapped.compile_model(
                     core,
-                    graphs.expert_graph(shape, weights, settings.expert_weights, scale, settings.dense_ffn_path),
+                    graphs.expert_graph(shape, weights, settings.expert_weights, scale, settings.ffn_form),
                     settings,
                     _compile_config(settings, settings.expert_compute),
                 )
@@ -263,7 +263,7 @@ class StageEngine:
                         w.layers,
                         settings.attention_weights,
                         settings.expert_weights,
-                        settings.dense_ffn_path,
+                        settings.ffn_form,
                         settings.kv_precision,
                         layer_outputs,
                         head,
@@ -278,7 +278,7 @@ class StageEngine:
                     weights.layers,
                     settings.attention_weights,
                     settings.expert_weights,
-                    settings.dense_ffn_path,
+                    settings.ffn_form,
                     settings.kv_precision,
                 )
             self._stage_model = mapped.compile_model(core, model, settings, residual_cfg)

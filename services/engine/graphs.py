@@ -20,11 +20,18 @@ import openvino.opset16 as ops
 from openvino.utils.node_factory import NodeFactory
 
 from cascadia.engine.kv_quant import PARAMS
+from cascadia.engine.settings import FUSED_FFN, FfnForm
 from cascadia.engine.state import KV_BLOCK
 from cascadia.engine.weights import Weight, WeightFormat, weight_node
 from cascadia.model.checkpoint import LayerWeights
 from cascadia.model.config import ModelShape
-from cascadia.model.formats import as_float, join_input_columns, join_output_rows, stack_output_rows
+from cascadia.model.formats import (
+    as_float,
+    expert_slice,
+    join_input_columns,
+    join_output_rows,
+    stack_output_rows,
+)
 
 Node = ov.Node
 _OPSET4 = NodeFactory("opset4")
@@ -242,7 +249,7 @@ def attention_graph(
     attention_fmt: WeightFormat,
     expert_fmt: WeightFormat | None,
     kv_type: str = "f32",
-    dense_ffn: str = "experts",
+    ffn: FfnForm = FUSED_FFN,
 ) -> ov.Model:
     """Norm, attention with its convs, residual, post-attention norm and the FP32 router.
 
@@ -329,7 +336,7 @@ def attention_graph(
         results += [residual, mlp_input, _named(index, "expert_index"), _named(weight, "expert_weight")]
     else:
         params_e, results_e = _expert_block(
-            shape, layer, mlp_input, index, weight, residual, conv_index, expert_fmt, dense_ffn=dense_ffn
+            shape, layer, mlp_input, index, weight, residual, conv_index, expert_fmt, ffn=ffn
         )
         params += params_e
         results += results_e
@@ -384,6 +391,48 @@ def _fused_experts(x: Node, index: Node, weight: Node, gate: Node, up: Node, dow
     return ops.reshape(combined, _i64(-1, h), False)
 
 
+def _grouped_experts(
+    x: Node, index: Node, weight: Node, gate: Weight, up: Weight, down: Weight, fmt: WeightFormat, name: str
+) -> Node:
+    """The bank with each expert's rows gathered into one matmul per expert.
+
+    The step's (row, expert) pairs are sorted by expert (a stable TopK over all of them) and cut into
+    one block per expert, however many rows chose it (none is an empty block). An expert's weights
+    are then read once per step, where a kernel that runs a matrix-vector product per pair reads them
+    once per row. The activation and the routing weight run once over all pairs between the two
+    matmuls, and each row's outputs are summed back into it with one scatter.
+    """
+    flat_ids = ops.reshape(index, _i64(-1), False)  # [P] expert of each pair, row-major
+    pairs = ops.squeeze(ops.shape_of(flat_ids, "i64"), _i64(0))
+    by_expert = ops.topk(flat_ids, pairs, 0, "min", "value", "i64", stable=True)
+    per_row = ops.gather(ops.shape_of(index, "i64"), _i64(1), _i64(0))
+    rows = ops.divide(by_expert.output(1), per_row)  # [P] the row of each sorted pair
+    n = gate.shape[0]
+    chose = ops.equal(ops.unsqueeze(by_expert.output(0), _i64(1)), ops.constant(np.arange(n, dtype=np.int32)))
+    counts = ops.reduce_sum(ops.convert(chose, "i64"), _i64(0), keep_dims=False)  # [E]
+
+    def per_expert(pairs_in: Node, weights: list[Weight], part: str) -> Node:
+        blocks = ops.variadic_split(pairs_in, _i64(0), counts)
+        outputs = []
+        for e in range(n):
+            sliced = [expert_slice(w, e) for w in weights]
+            stacked = stack_output_rows(sliced)
+            if stacked is not None:
+                outputs.append(linear(blocks.output(e), stacked, fmt, f"{name}.{e}.{part}"))
+            else:  # stored unlike: one matmul each, side by side
+                parts = [linear(blocks.output(e), w, fmt, f"{name}.{e}.{part}.{k}") for k, w in enumerate(sliced)]
+                outputs.append(ops.concat(parts, 1))
+        return ops.concat(outputs, 0)
+
+    gate_up = per_expert(ops.gather(x, rows, _i64(0)), [gate, up], "gate_up")  # [P, 2I]
+    gated, lifted = ops.split(gate_up, ops.constant(np.int64(1)), 2).outputs()
+    pair_weight = ops.gather(ops.reshape(weight, _i64(-1), False), by_expert.output(1), _i64(0))
+    mixed = ops.multiply(ops.multiply(swish(gated), lifted), ops.unsqueeze(pair_weight, _i64(1)))
+    outputs = per_expert(mixed, [down], "down")  # [P, H]
+    zeros = ops.broadcast(_f32(0.0), ops.shape_of(x, "i64"))
+    return ops.scatter_nd_update(zeros, ops.unsqueeze(rows, _i64(1)), outputs, "sum")
+
+
 def _expert_block(
     shape: ModelShape,
     layer: LayerWeights,
@@ -394,22 +443,25 @@ def _expert_block(
     conv_index: Node | None,
     fmt: WeightFormat,
     out_scale: float = 1.0,
-    dense_ffn: str = "experts",
+    ffn: FfnForm = FUSED_FFN,
 ) -> tuple[list[Node], list[Node]]:
     """Experts, then (when `residual` is given) the MLP-output conv and the residual add.
 
-    A dense layer's bank runs as all-active slices, or with `dense_ffn="matmul"` as three plain
-    matmuls over the joined slices (then `index` and `weight` are not read).
+    A dense layer's bank runs as all-active slices, or with `ffn.dense="matmul"` as three plain
+    matmuls over the joined slices (then `index` and `weight` are not read). Banks run in the form
+    `ffn.experts` names.
     """
     i, h = layer.index, shape.hidden_size
     bank = layer.experts
     n = bank.gate.shape[0]
     down = bank.down if out_scale == 1.0 else as_float(bank.down) * np.float32(out_scale)
-    if layer.router is None and dense_ffn == "matmul":
+    if layer.router is None and ffn.dense == "matmul":
         gate, up = stacked_linear(x, [join_output_rows(bank.gate), join_output_rows(bank.up)], fmt, f"l{i}.gate_up")
         mixed = linear(ops.multiply(swish(gate), up), join_input_columns(down), fmt, f"l{i}.down")
         if layer.dense_scale != 1.0:
             mixed = ops.multiply(mixed, _f32(layer.dense_scale))
+    elif ffn.experts == "grouped":
+        mixed = _grouped_experts(x, index, weight, bank.gate, bank.up, down, fmt, f"l{i}.experts")
     else:
         gate = weight_node(bank.gate, fmt, f"l{i}.experts.gate")
         up = weight_node(bank.up, fmt, f"l{i}.experts.up")
@@ -425,7 +477,7 @@ def _expert_block(
 
 
 def expert_graph(
-    shape: ModelShape, layer: LayerWeights, fmt: WeightFormat, out_scale: float, dense_ffn: str = "experts"
+    shape: ModelShape, layer: LayerWeights, fmt: WeightFormat, out_scale: float, ffn: FfnForm = FUSED_FFN
 ) -> ov.Model:
     """Experts alone, for a compute precision other than the residual stream's.
 
@@ -436,7 +488,7 @@ def expert_graph(
     x = _param("mlp_input", [-1, h])
     index = _param("expert_index", [-1, -1], "i32")
     weight = _param("expert_weight", [-1, -1])
-    _, results = _expert_block(shape, layer, x, index, weight, None, None, fmt, out_scale, dense_ffn)
+    _, results = _expert_block(shape, layer, x, index, weight, None, None, fmt, out_scale, ffn)
     return ov.Model([ops.result(n) for n in results], [x, index, weight], f"layer{layer.index}_experts")
 
 
@@ -522,8 +574,9 @@ def mtp_input_graph(
 
 
 def dense_mlp_graph(shape: ModelShape, layer: LayerWeights, dense_ffn: str) -> ov.Model:
-    """A dense layer's MLP alone in either form (all-active expert slices or plain matmuls), for benchmarks."""
+    """A dense layer's MLP alone in either form (all-active slices through the fused kernel or plain matmuls)."""
     x = _param("mlp_input", [-1, shape.hidden_size])
     index, weight = _routing(shape, layer, x)
-    _, results = _expert_block(shape, layer, x, index, weight, None, None, "f32", dense_ffn=dense_ffn)
+    ffn = FfnForm(dense="matmul" if dense_ffn == "matmul" else "experts", experts="fused")
+    _, results = _expert_block(shape, layer, x, index, weight, None, None, "f32", ffn=ffn)
     return ov.Model([ops.result(n) for n in results], [x], f"dense_{dense_ffn}")

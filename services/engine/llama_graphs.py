@@ -35,6 +35,7 @@ from cascadia.engine.graphs import (
     stacked_linear,
 )
 from cascadia.engine.paged import PAGE
+from cascadia.engine.settings import FUSED_FFN, FfnForm
 from cascadia.engine.state import KV_BLOCK
 from cascadia.engine.weights import WeightFormat
 from cascadia.model.config import ModelShape
@@ -90,7 +91,7 @@ def _layer(
     far: FarKeys | PagedInputs,
     attention_fmt: WeightFormat,
     expert_fmt: WeightFormat | None,
-    dense_ffn: str = "experts",
+    ffn: FfnForm = FUSED_FFN,
 ) -> tuple[Node, Node, list[Node]]:
     """One layer's nodes: (new keys, new values, [hidden_out] or the expert graph's inputs)."""
     i = layer.index
@@ -123,9 +124,7 @@ def _layer(
     index, weight = graphs._routing(shape, layer, mlp_input)
     if expert_fmt is None:
         return keys_new, v, [residual, mlp_input, index, weight]
-    _, (hidden_out,) = graphs._expert_block(
-        shape, layer, mlp_input, index, weight, residual, None, expert_fmt, dense_ffn=dense_ffn
-    )
+    _, (hidden_out,) = graphs._expert_block(shape, layer, mlp_input, index, weight, residual, None, expert_fmt, ffn=ffn)
     return keys_new, v, [hidden_out]
 
 
@@ -135,7 +134,7 @@ def layer_graph(
     attention_fmt: WeightFormat,
     expert_fmt: WeightFormat | None,
     kv_type: str = "f32",
-    dense_ffn: str = "experts",
+    ffn: FfnForm = FUSED_FFN,
 ) -> ov.Model:
     """One layer: norm, RoPE attention, residual, post-attention norm, and (with `expert_fmt`) the FFN and its residual.
 
@@ -145,7 +144,7 @@ def layer_graph(
     hidden = _param("hidden", [-1, shape.hidden_size])
     shared_params, shared = _shared_inputs(shape)
     far_params, far = far_inputs(a.num_kv_heads, a.head_dim, KV_BLOCK, kv_type, mask=shared.far_mask)
-    keys, values, rest = _layer(shape, layer, hidden, shared, far, attention_fmt, expert_fmt, dense_ffn)
+    keys, values, rest = _layer(shape, layer, hidden, shared, far, attention_fmt, expert_fmt, ffn)
     names = ["hidden_out"] if expert_fmt is not None else ["residual", "mlp_input", "expert_index", "expert_weight"]
     results = [_named(keys, "new_k"), _named(values, "new_v")] + [
         _named(n, m) for n, m in zip(rest, names, strict=True)
@@ -159,7 +158,7 @@ def stage_graph(
     layers: Sequence[LlamaLayerWeights],
     attention_fmt: WeightFormat,
     expert_fmt: WeightFormat,
-    dense_ffn: str = "experts",
+    ffn: FfnForm = FUSED_FFN,
     kv_type: str = "f32",
 ) -> ov.Model:
     """Every layer of a stage in one model: one call per step instead of one per layer.
@@ -175,7 +174,7 @@ def stage_graph(
         a = shape.layer_attention(layer.index)
         far_params, far = far_inputs(a.num_kv_heads, a.head_dim, KV_BLOCK, kv_type, f"_{n}", shared.far_mask)
         params += far_params
-        keys, values, (x,) = _layer(shape, layer, x, shared, far, attention_fmt, expert_fmt, dense_ffn)
+        keys, values, (x,) = _layer(shape, layer, x, shared, far, attention_fmt, expert_fmt, ffn)
         results += [_named(keys, f"new_k_{n}"), _named(values, f"new_v_{n}"), _named(x, f"layer_out_{n}")]
     results.append(_named(ops.convert(x, "f32"), "hidden_out"))
     return ov.Model([ops.result(n) for n in results], params, "stage_llama")
@@ -243,7 +242,7 @@ def paged_stage_graph(
     layers: Sequence[LlamaLayerWeights],
     attention_fmt: WeightFormat,
     expert_fmt: WeightFormat,
-    dense_ffn: str = "experts",
+    ffn: FfnForm = FUSED_FFN,
     kv_type: str = "f32",
     layer_outputs: bool = True,
     head: StageHead | None = None,
@@ -273,7 +272,7 @@ def paged_stage_graph(
         pools = [_param(f"{kv}_cache_{n}", [-1, a.num_kv_heads, PAGE, a.head_dim], kv_type) for kv in ("key", "value")]
         params += pools
         paged = PagedInputs(pools[0], pools[1], tables, max_context_len, unused)
-        _, _, (x,) = _layer(shape, layer, x, shared, paged, attention_fmt, expert_fmt, dense_ffn)
+        _, _, (x,) = _layer(shape, layer, x, shared, paged, attention_fmt, expert_fmt, ffn)
         if layer_outputs:
             results.append(_named(x, f"layer_out_{n}"))
     results.append(_named(ops.convert(x, "f32"), "hidden_out"))

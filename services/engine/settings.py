@@ -11,6 +11,8 @@ Compute = Literal["f32", "bf16", "f16"]
 KvPrecision = Literal["f32", "f16", "u8"]
 DenseFfn = Literal["auto", "experts", "matmul"]
 DENSE_FFNS: tuple[DenseFfn, ...] = ("auto", "experts", "matmul")
+ExpertKernel = Literal["auto", "fused", "grouped"]
+EXPERT_KERNELS: tuple[ExpertKernel, ...] = ("auto", "fused", "grouped")
 LlamaAttention = Literal["auto", "paged", "blocks"]
 LLAMA_ATTENTIONS: tuple[LlamaAttention, ...] = ("auto", "paged", "blocks")
 KV_PRECISIONS: tuple[KvPrecision, ...] = ("f32", "f16", "u8")
@@ -19,6 +21,23 @@ PRECISION_PRESETS = ("f32", "bf16", "f16", "int8", "int4")
 
 DEFAULT_CONTEXT = 1024
 MAX_CONTEXT = 512 * 1024
+
+
+@dataclass(frozen=True)
+class FfnForm:
+    """How a layer's FFN is emitted into its graph.
+
+    `dense`: a dense bank as all-active expert slices ("experts") or plain matmuls ("matmul").
+    `experts`: an expert bank in the vectorised form the plugins fuse into their MoE kernels
+    ("fused"), or its (row, expert) pairs sorted by expert and each expert's rows run as one plain
+    matmul ("grouped").
+    """
+
+    dense: Literal["experts", "matmul"] = "experts"
+    experts: Literal["fused", "grouped"] = "fused"
+
+
+FUSED_FFN = FfnForm()  # one fused expert path for sparse and dense layers, the iGPU's form
 
 
 @dataclass(frozen=True)
@@ -39,6 +58,9 @@ class EngineSettings:
     # dense FFNs: "experts" runs them as all-active slices through the fused expert kernel (one path
     # for sparse and dense layers), "matmul" as three plain matmuls; "auto" picks per device
     dense_ffn: DenseFfn = "auto"
+    # expert banks: "fused" emits the form OpenVINO fuses into its MoE kernel, "grouped" one matmul
+    # per expert over the rows that chose it; "auto" picks per device
+    expert_kernel: ExpertKernel = "auto"
     # keys and values as the streams keep them; f16 halves KV memory for long contexts, u8 (a scale
     # and an offset per row and head) takes a little over a quarter
     kv_precision: KvPrecision = "f32"
@@ -62,6 +84,8 @@ class EngineSettings:
             raise ValueError(f"kv_precision '{self.kv_precision}' is not one of {', '.join(KV_PRECISIONS)}")
         if self.dense_ffn not in DENSE_FFNS:
             raise ValueError(f"dense_ffn '{self.dense_ffn}' is not one of {', '.join(DENSE_FFNS)}")
+        if self.expert_kernel not in EXPERT_KERNELS:
+            raise ValueError(f"expert_kernel '{self.expert_kernel}' is not one of {', '.join(EXPERT_KERNELS)}")
         if self.llama_attention not in LLAMA_ATTENTIONS:
             raise ValueError(f"llama_attention '{self.llama_attention}' is not one of {', '.join(LLAMA_ATTENTIONS)}")
         if self.llama_attention == "paged" and self.kv_precision == "u8":
@@ -80,6 +104,27 @@ class EngineSettings:
         if self.dense_ffn != "auto":
             return self.dense_ffn
         return "experts" if self.device.upper().startswith("GPU") else "matmul"
+
+    @property
+    def expert_kernel_path(self) -> Literal["fused", "grouped"]:
+        """The expert bank form this device runs.
+
+        The CPU plugin's fused kernel (GatherMatmul) runs a matrix-vector product per (row, expert)
+        pair on a CPU without AMX, so an expert's weights are read again for every row that chose it.
+        With f32 weights, grouped matmuls read each expert once per step and win from about eight
+        rows on (1.44x the fused kernel at 32 streams of the mini preset, 0.87x at one); with
+        compressed weights the CPU's fused kernel decompresses faster than its compressed matmuls
+        and stays ahead to about 32 rows (docs/benchmarks.md "Grouped experts"). The iGPU keeps its
+        fused MoE kernel.
+        """
+        if self.expert_kernel != "auto":
+            return self.expert_kernel
+        cpu = self.device.upper().startswith("CPU")
+        return "grouped" if cpu and self.expert_weights == "f32" else "fused"
+
+    @property
+    def ffn_form(self) -> FfnForm:
+        return FfnForm(self.dense_ffn_path, self.expert_kernel_path)
 
     @property
     def paged_attention(self) -> bool:

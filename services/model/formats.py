@@ -129,6 +129,13 @@ def split_input_columns(weight: Weight, slices: int) -> Weight:
     return weight.map_blocks(cut)
 
 
+def expert_slice(weight: Weight, expert: int) -> Weight:
+    """[E, N, K] -> [N, K]: one expert's weight out of its bank, stored as the bank is."""
+    if isinstance(weight, np.ndarray):
+        return weight[expert]
+    return weight.map_blocks(lambda a: a[expert])
+
+
 def join_output_rows(weight: Weight) -> Weight:
     """[slices, N/slices, K] -> [N, K]: undo `split_output_rows`."""
     if isinstance(weight, np.ndarray):
