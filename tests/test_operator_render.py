@@ -95,7 +95,10 @@ def test_eleven_nodes_get_six_layers_each_pinned_with_a_device_and_a_chained_nex
         # compiled weights are mapped from a disk-backed scratch volume: the root filesystem is read-only
         cache = next(m for m in container["volumeMounts"] if m["name"] == "weights-cache")
         assert {"name": "CASCADIA_CACHE_DIR", "value": cache["mountPath"]} in container["env"]
-        assert {"name": "weights-cache", "emptyDir": {}} in pod["volumes"]
+        # the scratch volume is sized for the stage's weights, and the pod asks the node for that much disk
+        scratch = next(v for v in pod["volumes"] if v["name"] == "weights-cache")["emptyDir"]["sizeLimit"]
+        assert container["resources"]["requests"]["ephemeral-storage"] == scratch
+        assert plan.stages[i].weight_bytes < int(scratch) <= plan.stages[i].weight_bytes + 2**30
         assert container["readinessProbe"]["exec"]["command"][:2] == ["cascadia", "probe"]
     kinds = sorted({(c["kind"], c["metadata"]["name"]) for c in children} - {("StatefulSet", n) for n in shards})
     assert ("Deployment", "inkling-router") in kinds and ("Deployment", "inkling-gateway") in kinds

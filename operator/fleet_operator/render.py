@@ -8,7 +8,7 @@ from typing import Any
 
 from cascadia.operator import GROUP, KIND, VERSION
 from cascadia.operator.spec import FleetSpec
-from cascadia.planner import FleetPlan
+from cascadia.planner import FleetPlan, StagePlan
 
 SHARD_PORT = 7000
 ROUTER_PORT = 50051
@@ -155,7 +155,14 @@ def _workload_pod(
 # where a shard writes each compiled graph's weights to read them back through a file mapping (the root
 # filesystem is read-only); on the node's disk, not in memory, or the mapping would save nothing
 WEIGHTS_CACHE = "/var/cache/cascadia"
-_WEIGHTS_CACHE_VOLUME = {"name": "weights-cache", "emptyDir": {}}
+# the graphs' text and the small constants the plan does not count, beyond the stage's planned weights
+WEIGHTS_CACHE_SLACK = 256 * 1024 * 1024
+
+
+def weights_cache_bytes(placed: StagePlan) -> int:
+    """Disk a shard's scratch volume holds: the weight files are removed once read, but their blocks stay
+    allocated for as long as the shard maps them, so the whole stage's weights are there while it serves."""
+    return placed.weight_bytes + WEIGHTS_CACHE_SLACK
 
 
 def shard_statefulset(fleet: Fleet, plan: FleetPlan, stage: int) -> dict[str, Any]:
@@ -175,11 +182,14 @@ def shard_statefulset(fleet: Fleet, plan: FleetPlan, stage: int) -> dict[str, An
     ]  # fmt: skip
     device = spec.get("nodes", "deviceResource")
     memory = placed.weight_bytes + placed.kv_bytes + placed.overhead_bytes
+    scratch = str(weights_cache_bytes(placed))
     container = _container(
         "shard", spec.get("images", "shard"), args, spec,
         ports=[{"name": "grpc", "containerPort": SHARD_PORT, "protocol": "TCP"}],
         readinessProbe=_probe(SHARD_PORT),
-        resources=_resources(spec, "shard", requests={"memory": str(memory), device: 1}, limits={device: 1}),
+        resources=_resources(
+            spec, "shard", requests={"memory": str(memory), "ephemeral-storage": scratch, device: 1}, limits={device: 1}
+        ),
         volumeMounts=[
             {"name": "model", "mountPath": model_path, "readOnly": True},
             {"name": "weights-cache", "mountPath": WEIGHTS_CACHE},
@@ -189,7 +199,7 @@ def shard_statefulset(fleet: Fleet, plan: FleetPlan, stage: int) -> dict[str, An
     )  # fmt: skip
     name = shard_name(fleet, stage)
     stage_labels = {STAGE_LABEL: str(stage)}
-    volumes = [_model_volume(spec), _WEIGHTS_CACHE_VOLUME]
+    volumes = [_model_volume(spec), {"name": "weights-cache", "emptyDir": {"sizeLimit": scratch}}]
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",

@@ -6,7 +6,6 @@ in f32 with the same thread count, and the machine's read bandwidth, so every fi
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import statistics
@@ -94,31 +93,49 @@ def _median_time(fn: Callable[[], None], repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure_engine(engine: StageEngine, streams: int, steps: int, repeats: int, vocab: int) -> dict[str, float]:
-    rng = np.random.default_rng(0)
-    results: dict[str, float] = {}
+def _decode_round(engine: StageEngine, streams: int, steps: int, rng: np.random.Generator, vocab: int) -> float:
+    """Seconds for `steps` decode steps of `streams` streams, each first prefilled with a short prompt."""
     names = [f"s{i}" for i in range(streams)]
+    for name in names:
+        engine.open(name)
+    ids = rng.integers(3, vocab, size=streams * PROMPT_TOKENS)
+    engine.step([Segment(n, 0, PROMPT_TOKENS) for n in names], ids, np.array([PROMPT_TOKENS - 1]))
+    tokens = rng.integers(3, vocab, size=streams)
+    start = time.perf_counter()
+    for step in range(steps):
+        engine.step([Segment(n, PROMPT_TOKENS + step, 1) for n in names], tokens)
+    elapsed = time.perf_counter() - start
+    for name in names:
+        engine.close(name)
+    return elapsed
 
-    def decode_round() -> None:
-        for name in names:
-            engine.open(name)
-        ids = rng.integers(3, vocab, size=streams * PROMPT_TOKENS)
-        engine.step([Segment(n, 0, PROMPT_TOKENS) for n in names], ids, np.array([PROMPT_TOKENS - 1]))
-        tokens = rng.integers(3, vocab, size=streams)
-        start = time.perf_counter()
-        for step in range(steps):
-            engine.step([Segment(n, PROMPT_TOKENS + step, 1) for n in names], tokens)
-        results.setdefault("_times", [])
-        results["_times"].append(time.perf_counter() - start)  # type: ignore[attr-defined]
-        for name in names:
-            engine.close(name)
 
-    decode_round()  # warm-up: first inference allocates
-    results.pop("_times")
-    for _ in range(repeats):
-        decode_round()
-    step_time = statistics.median(results.pop("_times")) / steps  # type: ignore[arg-type]
-    return {"step_s": step_time, "tokens_per_s": streams / step_time}
+def measure_engines(
+    engines: dict[str, StageEngine], streams: int, steps: int, repeats: int, vocab: int
+) -> dict[str, dict[str, Any]]:
+    """Decode rounds of every engine taken in turn, so a slow spell of the machine falls on all of them.
+
+    Each engine's step time is the median of its rounds; `paired` is, for every engine after the first,
+    the median over the repeats of its rate over the first engine's rate in the same repeat.
+    """
+    rng = np.random.default_rng(0)
+    for engine in engines.values():
+        _decode_round(engine, streams, steps, rng, vocab)  # warm-up: first inference allocates
+    rounds: dict[str, list[float]] = {label: [] for label in engines}
+    for repeat in range(repeats):
+        order = list(engines) if repeat % 2 == 0 else list(reversed(engines))
+        for label in order:
+            rounds[label].append(_decode_round(engines[label], streams, steps, rng, vocab))
+    first = next(iter(engines))
+    out: dict[str, dict[str, Any]] = {}
+    for label, times in rounds.items():
+        step_time = statistics.median(times) / steps
+        out[label] = {"step_s": step_time, "tokens_per_s": streams / step_time}
+        if label != first:
+            out[label][f"paired_vs_{first}"] = statistics.median(
+                base / own for base, own in zip(rounds[first], times, strict=True)
+            )
+    return out
 
 
 def measure_prefill(engine: StageEngine, repeats: int, vocab: int) -> float:
@@ -224,31 +241,36 @@ def run_engine_bench(config: EngineBenchConfig, console: Console) -> dict[str, A
         "engine": {},
     }
     weights = load_stage(model_dir, 0, shape.num_layers)
-    for mode, kernel in itertools.product(config.precisions, config.expert_kernels):
-        label = mode if kernel == "auto" else f"{mode} {kernel}"
-        with console.status(f"compiling {label}"):
-            settings = preset(mode, threads=config.threads, expert_kernel=kernel)
-            engine = StageEngine(weights, settings)
-        entry: dict[str, Any] = {
-            "decode": {},
-            "expert_kernel": settings.expert_kernel_path,
-            "fused_ops": engine.runtime_ops()[-1],
-        }
+    for mode in config.precisions:
+        labels = {kernel: mode if kernel == "auto" else f"{mode} {kernel}" for kernel in config.expert_kernels}
+        engines: dict[str, StageEngine] = {}
+        for kernel, label in labels.items():
+            with console.status(f"compiling {label}"):
+                settings = preset(mode, threads=config.threads, expert_kernel=kernel)
+                engines[label] = StageEngine(weights, settings)
+            summary["engine"][label] = {
+                "decode": {},
+                "expert_kernel": settings.expert_kernel_path,
+                "fused_ops": engines[label].runtime_ops()[-1],
+            }
         for count in config.streams:
-            with console.status(f"{label}: decode at {count} streams"):
-                result = measure_engine(engine, count, config.steps, config.repeats, shape.unpadded_vocab_size)
+            with console.status(f"{mode}: decode at {count} streams"):
+                results = measure_engines(engines, count, config.steps, config.repeats, shape.unpadded_vocab_size)
             floor_s = step_weight_bytes(shape, mode, count) / bandwidth
-            result["floor_step_s"] = floor_s
-            result["fraction_of_floor"] = floor_s / result["step_s"]
-            entry["decode"][str(count)] = result
-            console.print(
-                f"{label:12s} {count:3d} streams: {result['tokens_per_s']:8.1f} tok/s "
-                f"({result['fraction_of_floor']:.2f} of the bandwidth floor)"
-            )
-        with console.status(f"{label}: prefill"):
-            entry["prefill_tokens_per_s"] = measure_prefill(engine, config.repeats, shape.unpadded_vocab_size)
-        summary["engine"][label] = entry
-        del engine
+            for label, result in results.items():
+                result["floor_step_s"] = floor_s
+                result["fraction_of_floor"] = floor_s / result["step_s"]
+                summary["engine"][label]["decode"][str(count)] = result
+                console.print(
+                    f"{label:12s} {count:3d} streams: {result['tokens_per_s']:8.1f} tok/s "
+                    f"({result['fraction_of_floor']:.2f} of the bandwidth floor)"
+                )
+        for label in labels.values():
+            with console.status(f"{label}: prefill"):
+                summary["engine"][label]["prefill_tokens_per_s"] = measure_prefill(
+                    engines[label], config.repeats, shape.unpadded_vocab_size
+                )
+        engines.clear()  # before the next precision's engines compile
     del weights
     with console.status("dense layer both ways"):
         summary["dense_layer"] = measure_dense_layer(model_dir, shape, config.repeats)
