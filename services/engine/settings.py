@@ -112,7 +112,7 @@ class EngineSettings:
         The CPU plugin's fused kernel (GatherMatmul) runs a matrix-vector product per (row, expert)
         pair on a CPU without AMX, so an expert's weights are read again for every row that chose it.
         With f32 weights, grouped matmuls read each expert once per step and win from about eight
-        rows on (1.44x the fused kernel at 32 streams of the mini preset, 0.87x at one); with
+        rows on (1.23x the fused kernel at 32 streams of the mini preset, 0.88x at one); with
         compressed weights the CPU's fused kernel decompresses faster than its compressed matmuls
         and stays ahead to about 32 rows (docs/benchmarks.md "Grouped experts"). The iGPU keeps its
         fused MoE kernel.
