@@ -25,8 +25,10 @@ def test_each_expert_kernel_is_measured_under_its_own_label(tiny, tmp_path):
         assert set(entry["decode"]) == {"1", "4"} and all(r["tokens_per_s"] > 0 for r in entry["decode"].values())
     # the kernels of one precision are timed in turn, and each after the first against it, round by round
     for count in ("1", "4"):
-        assert summary["engine"]["f32 fused"]["decode"][count]["paired_vs_f32"] > 0
-        assert "paired_vs_f32" not in summary["engine"]["f32"]["decode"][count]
+        base, other = summary["engine"]["f32"]["decode"][count], summary["engine"]["f32 fused"]["decode"][count]
+        assert len(base["rounds_s"]) == len(other["rounds_s"]) == 1
+        assert other["paired_vs_f32"] == pytest.approx(base["rounds_s"][0] / other["rounds_s"][0])
+        assert "paired_vs_f32" not in base
     assert (tmp_path / "engine.png").stat().st_size > 0
 
 

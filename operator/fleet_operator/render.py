@@ -181,7 +181,7 @@ def shard_statefulset(fleet: Fleet, plan: FleetPlan, stage: int) -> dict[str, An
         "--device", spec.get("device"), "--context", str(spec.get("serving", "contextBudget")), *hop,
     ]  # fmt: skip
     device = spec.get("nodes", "deviceResource")
-    memory = placed.weight_bytes + placed.kv_bytes + placed.overhead_bytes
+    memory = placed.total_bytes
     scratch = str(weights_cache_bytes(placed))
     container = _container(
         "shard", spec.get("images", "shard"), args, spec,
@@ -425,7 +425,7 @@ def plan_status(plan: FleetPlan) -> list[dict[str, Any]]:
             "node": s.node,
             "startLayer": s.start_layer,
             "endLayer": s.end_layer,
-            "memoryBytes": s.weight_bytes + s.kv_bytes + s.overhead_bytes,
+            "memoryBytes": s.total_bytes,
         }
         for s in plan.stages
     ]

@@ -130,7 +130,7 @@ def measure_engines(
     out: dict[str, dict[str, Any]] = {}
     for label, times in rounds.items():
         step_time = statistics.median(times) / steps
-        out[label] = {"step_s": step_time, "tokens_per_s": streams / step_time}
+        out[label] = {"step_s": step_time, "tokens_per_s": streams / step_time, "rounds_s": times}
         if label != first:
             out[label][f"paired_vs_{first}"] = statistics.median(
                 base / own for base, own in zip(rounds[first], times, strict=True)

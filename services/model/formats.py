@@ -149,6 +149,8 @@ def stack_output_rows(weights: list[Weight]) -> Weight | None:
     One matmul over the stacked rows computes what the separate matmuls would, row for row.
     """
     first = weights[0]
+    if len(weights) == 1:
+        return first
     if all(isinstance(w, np.ndarray) for w in weights):
         if len({(w.dtype, w.shape[1:]) for w in weights}) != 1:  # type: ignore[union-attr]
             return None
