@@ -20,8 +20,8 @@ import numpy as np
 from rich.console import Console
 
 from cascadia.engine.batch import Segment
-from cascadia.engine.engine import StageEngine
-from cascadia.engine.settings import preset
+from cascadia.engine.engine import StageEngine, compile_config
+from cascadia.engine.settings import EngineSettings, preset
 from cascadia.engine.weights import stored_bytes
 from cascadia.model.config import ModelShape, load_shape
 from cascadia.model.loader import load_stage
@@ -56,6 +56,41 @@ def read_bandwidth(gib: float = 2.0, threads: int | None = None, repeats: int = 
             list(pool.map(np.sum, chunks))
             rates.append(buffer.nbytes / (time.perf_counter() - start))
     return statistics.median(rates)
+
+
+def matvec_bandwidth(
+    shape: ModelShape, settings: EngineSettings, total_bytes: int = 512 * 2**20, most: int = 256, repeats: int = 5
+) -> float:
+    """Weight bytes per second the device's own matmul kernel reads at one row, for this precision.
+
+    Matrices shaped like one expert's stacked gate and up, stored in the settings' expert format, as
+    many as make `total_bytes` in f32 (far more than the caches hold) but no more than `most`, each
+    multiplied once by one row per call. This is the floor the plugin's kernels allow, beside the one
+    the memory allows; a step's attention and head weights are counted at the experts' rate.
+    """
+    import openvino as ov
+    import openvino.opset16 as ops
+
+    from cascadia.engine.graphs import linear
+
+    rows, cols = 2 * shape.moe_intermediate_size, shape.hidden_size
+    count = min(most, max(1, total_bytes // (rows * cols * 4)))
+    rng = np.random.default_rng(3)
+    x = ops.parameter([1, cols], np.float32, name="x")
+    outputs = []
+    for i in range(count):
+        weight = rng.standard_normal((rows, cols), dtype=np.float32)
+        product = linear(x, weight, settings.expert_weights, f"matvec.{i}")
+        # one number per matrix keeps the outputs small; the matmul itself reads every weight
+        outputs.append(ops.reduce_sum(product, ops.constant(np.int64(1)), keep_dims=True))
+    model = ov.Model([ops.concat(outputs, 1)], [x], "matvec")
+    config = compile_config(settings, settings.expert_compute)
+    request = ov.Core().compile_model(model, settings.device, config).create_infer_request()
+    del model, outputs
+    row = rng.standard_normal((1, cols), dtype=np.float32)
+    request.infer({0: row})
+    seconds = _median_time(lambda: request.infer({0: row}), repeats)
+    return count * stored_bytes((rows, cols), settings.expert_weights) / seconds
 
 
 def expected_distinct(experts: int, top_k: int, rows: int) -> float:
@@ -237,12 +272,18 @@ def run_engine_bench(config: EngineBenchConfig, console: Console) -> dict[str, A
         "model": str(model_dir),
         "config": {k: str(v) for k, v in asdict(config).items()},
         "read_bandwidth_bytes_per_s": bandwidth,
+        # per precision: stored weight bytes per second of the device's one-row matmul (`matvec_bandwidth`)
+        "matvec_bytes_per_s": {},
         "params": sum(shape.layer_parameter_count(i) for i in range(shape.num_layers)),
         "engine": {},
     }
     weights = load_stage(model_dir, 0, shape.num_layers)
     for mode in config.precisions:
         labels = {kernel: mode if kernel == "auto" else f"{mode} {kernel}" for kernel in config.expert_kernels}
+        with console.status(f"{mode}: the device's matrix-vector rate"):
+            matvec = matvec_bandwidth(shape, preset(mode, threads=config.threads))
+        summary["matvec_bytes_per_s"][mode] = matvec
+        console.print(f"{mode}: the device's one-row matmul reads {matvec / 1e9:.1f} GB/s of stored weights")
         engines: dict[str, StageEngine] = {}
         for kernel, label in labels.items():
             with console.status(f"compiling {label}"):
@@ -256,10 +297,12 @@ def run_engine_bench(config: EngineBenchConfig, console: Console) -> dict[str, A
         for count in config.streams:
             with console.status(f"{mode}: decode at {count} streams"):
                 results = measure_engines(engines, count, config.steps, config.repeats, shape.unpadded_vocab_size)
-            floor_s = step_weight_bytes(shape, mode, count) / bandwidth
+            step_bytes = step_weight_bytes(shape, mode, count)
+            floor_s = step_bytes / bandwidth
             for label, result in results.items():
                 result["floor_step_s"] = floor_s
                 result["fraction_of_floor"] = floor_s / result["step_s"]
+                result["fraction_of_matvec_floor"] = step_bytes / matvec / result["step_s"]
                 summary["engine"][label]["decode"][str(count)] = result
                 console.print(
                     f"{label:12s} {count:3d} streams: {result['tokens_per_s']:8.1f} tok/s "

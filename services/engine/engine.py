@@ -46,7 +46,7 @@ class StepResult:
     logit_rows: np.ndarray | None  # which step rows the logits belong to
 
 
-def _compile_config(settings: EngineSettings, compute: str) -> dict[str, str]:
+def compile_config(settings: EngineSettings, compute: str) -> dict[str, str]:
     config = {"INFERENCE_PRECISION_HINT": compute, "PERFORMANCE_HINT": "LATENCY"}
     if settings.device.upper().startswith("CPU"):
         config["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = str(settings.activation_quant_group)
@@ -82,7 +82,7 @@ class _Layer:
         self.index = weights.index
         self.attention = shape.layer_attention(weights.index)
         split = settings.split_expert_graph
-        residual_cfg = _compile_config(settings, settings.residual_compute)
+        residual_cfg = compile_config(settings, settings.residual_compute)
         build = llama_graphs.layer_graph if shape.family == "llama" else graphs.attention_graph
         attention_model = build(
             shape,
@@ -103,7 +103,7 @@ class _Layer:
                     core,
                     graphs.expert_graph(shape, weights, settings.expert_weights, scale, settings.ffn_form),
                     settings,
-                    _compile_config(settings, settings.expert_compute),
+                    compile_config(settings, settings.expert_compute),
                 )
             except RuntimeError as exc:
                 raise UnsupportedSettings(
@@ -230,7 +230,7 @@ class StageEngine:
                 progress(what, done, total)
 
         self._embed = self._head = None
-        residual_cfg = _compile_config(settings, settings.residual_compute)
+        residual_cfg = compile_config(settings, settings.residual_compute)
         if self.is_first and not self._embeds_in_stage:
             model = graphs.embed_graph(
                 weights.embed, weights.embed_norm, self.shape.rms_norm_eps, settings.head_weights

@@ -21,7 +21,7 @@ import openvino as ov
 
 from cascadia.engine import graphs, mapped
 from cascadia.engine.batch import Segment
-from cascadia.engine.engine import Progress, StageEngine, _compile_config, _infer
+from cascadia.engine.engine import Progress, StageEngine, _infer, compile_config
 from cascadia.engine.settings import EngineSettings
 from cascadia.model.checkpoint import MtpWeights, StageWeights
 
@@ -41,7 +41,7 @@ class MtpHead:
         self.depths = len(weights.depths)
         self.vocab = min(vocab or shape.unpadded_vocab_size, shape.unpadded_vocab_size)
         core = ov.Core()
-        cfg = _compile_config(settings, settings.residual_compute)
+        cfg = compile_config(settings, settings.residual_compute)
         total, done = 2 * self.depths + 2, 0
 
         def tick(what: str) -> None:
