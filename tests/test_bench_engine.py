@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -13,7 +14,7 @@ from tests.test_cli import cascadia
 def test_each_expert_kernel_is_measured_under_its_own_label(tiny, tmp_path):
     done = cascadia(
         "bench", "engine", "--model", str(tiny), "--out", str(tmp_path), "--streams", "1,4",
-        "--precisions", "f32,int8", "--expert-kernels", "auto,fused", "--steps", "2", "--repeats", "1", "--no-oracle",
+        "--precisions", "f32,int8", "--expert-kernels", "auto,fused", "--steps", "2", "--repeats", "2",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     summary = json.loads((tmp_path / "engine.json").read_text())
@@ -26,9 +27,18 @@ def test_each_expert_kernel_is_measured_under_its_own_label(tiny, tmp_path):
     # the kernels of one precision are timed in turn, and each after the first against it, round by round
     for count in ("1", "4"):
         base, other = summary["engine"]["f32"]["decode"][count], summary["engine"]["f32 fused"]["decode"][count]
-        assert len(base["rounds_s"]) == len(other["rounds_s"]) == 1
-        assert other["paired_vs_f32"] == pytest.approx(base["rounds_s"][0] / other["rounds_s"][0])
+        assert len(base["rounds_s"]) == len(other["rounds_s"]) == 2
+        assert other["paired_vs_f32"] == pytest.approx(median_ratio(base["rounds_s"], other["rounds_s"]))
         assert "paired_vs_f32" not in base
+    # transformers runs its rounds in turn with each precision's engines, and each ratio is paired with it
+    for label, entry in summary["engine"].items():
+        beside = summary["transformers"]["passes"][label.split()[0]]
+        for count, result in entry["decode"].items():
+            oracle = beside["decode"][count]["rounds_s"]
+            assert result["vs_transformers_f32"] == pytest.approx(median_ratio(oracle, result["rounds_s"]))
+        prefill = median_ratio(beside["prefill"]["rounds_s"], entry["prefill_rounds_s"])
+        assert entry["prefill_vs_transformers_f32"] == pytest.approx(prefill)
+    assert summary["transformers"]["decode"] == summary["transformers"]["passes"]["f32"]["decode"]
     # both floors divide the same step bytes: their fractions differ by the two rates' ratio
     assert set(summary["matvec_bytes_per_s"]) == {"f32", "int8"}
     for label, entry in summary["engine"].items():
@@ -38,6 +48,10 @@ def test_each_expert_kernel_is_measured_under_its_own_label(tiny, tmp_path):
             ratio = result["fraction_of_matvec_floor"] / result["fraction_of_floor"]
             assert ratio == pytest.approx(summary["read_bandwidth_bytes_per_s"] / matvec)
     assert (tmp_path / "engine.png").stat().st_size > 0
+
+
+def median_ratio(base: list[float], own: list[float]) -> float:
+    return statistics.median(b / o for b, o in zip(base, own, strict=True))
 
 
 def test_an_unknown_expert_kernel_is_named_in_the_error(tmp_path):
@@ -52,6 +66,9 @@ def test_the_device_picks_the_expert_kernel_unless_told():
     assert EngineSettings(device="GPU").expert_kernel_path == "fused"
     assert EngineSettings(expert_kernel="fused").expert_kernel_path == "fused"
     assert EngineSettings(device="GPU", expert_kernel="grouped").ffn_form.experts == "grouped"
+    # banks read already compressed (a GGUF's blocks) keep the fused kernel unless one is named
+    assert EngineSettings().ffn_form.compressed_experts == "fused"
+    assert EngineSettings(expert_kernel="grouped").ffn_form.compressed_experts == "grouped"
 
 
 def test_an_unknown_expert_kernel_setting_is_refused():

@@ -285,7 +285,8 @@ def test_smollm_with_u8_kv_keeps_the_f32_kv_greedy_continuation(smollm_engine, c
 def test_smollm_dense_layers_compile_to_the_form_asked_for(smollm_engine):
     """The stage is one compiled model: on the CPU (default) every FFN is compressed matmuls (gate and
     up stacked into one, like q, k and v: four per layer, and the head); as expert slices (the iGPU's
-    form) every layer's gate, up and down run as fused expert banks."""
+    form) every layer's gate, up and down run as fused expert banks, the file's compressed blocks
+    keeping the fused kernel where f32 banks would run grouped on this device."""
     (ops,) = smollm_engine.runtime_ops()
     assert ops.get("GatherMatmul", 0) + ops.get("GatherMatmulCompressed", 0) == 0, ops
     assert ops.get("FullyConnectedCompressed", 0) + ops.get("FullyConnected", 0) == 4 * 30 + 1, ops
@@ -293,9 +294,7 @@ def test_smollm_dense_layers_compile_to_the_form_asked_for(smollm_engine):
     assert "input_ids" in {port.get_any_name() for port in smollm_engine._stage_model.inputs}
     assert smollm_engine._embed is None
     path = resolve(SMOLLM)
-    sliced = StageEngine(
-        load_stage(path, 0, load_shape(path).num_layers), EngineSettings(dense_ffn="experts", expert_kernel="fused")
-    )
+    sliced = StageEngine(load_stage(path, 0, load_shape(path).num_layers), EngineSettings(dense_ffn="experts"))
     (ops,) = sliced.runtime_ops()
     assert ops.get("GatherMatmul", 0) + ops.get("GatherMatmulCompressed", 0) >= 3 * 30, ops
 

@@ -2,10 +2,14 @@
 
 Everything is measured in one run on one checkpoint: our engine per precision mode, transformers
 in f32 with the same thread count, and the machine's read bandwidth, so every figure is a ratio.
+Each precision's engines and transformers run their rounds in turn, and the ratios between them are
+medians of per-round ratios: this shared machine's slow spells, which can halve a rate for minutes,
+fall on both sides of every ratio.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -119,6 +123,11 @@ def step_weight_bytes(shape: ModelShape, settings_name: str, streams: int) -> fl
     return total
 
 
+ORACLE = "transformers f32"
+DecodeRound = Callable[[int, int, np.random.Generator], float]
+PrefillRound = Callable[[np.ndarray], float]
+
+
 def _median_time(fn: Callable[[], None], repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -128,97 +137,146 @@ def _median_time(fn: Callable[[], None], repeats: int) -> float:
     return statistics.median(times)
 
 
-def _decode_round(engine: StageEngine, streams: int, steps: int, rng: np.random.Generator, vocab: int) -> float:
+def engine_decode_round(engine: StageEngine, vocab: int) -> DecodeRound:
     """Seconds for `steps` decode steps of `streams` streams, each first prefilled with a short prompt."""
-    names = [f"s{i}" for i in range(streams)]
-    for name in names:
-        engine.open(name)
-    ids = rng.integers(3, vocab, size=streams * PROMPT_TOKENS)
-    engine.step([Segment(n, 0, PROMPT_TOKENS) for n in names], ids, np.array([PROMPT_TOKENS - 1]))
-    tokens = rng.integers(3, vocab, size=streams)
-    start = time.perf_counter()
-    for step in range(steps):
-        engine.step([Segment(n, PROMPT_TOKENS + step, 1) for n in names], tokens)
-    elapsed = time.perf_counter() - start
-    for name in names:
-        engine.close(name)
-    return elapsed
+
+    def run(streams: int, steps: int, rng: np.random.Generator) -> float:
+        names = [f"s{i}" for i in range(streams)]
+        for name in names:
+            engine.open(name)
+        ids = rng.integers(3, vocab, size=streams * PROMPT_TOKENS)
+        engine.step([Segment(n, 0, PROMPT_TOKENS) for n in names], ids, np.array([PROMPT_TOKENS - 1]))
+        tokens = rng.integers(3, vocab, size=streams)
+        start = time.perf_counter()
+        for step in range(steps):
+            engine.step([Segment(n, PROMPT_TOKENS + step, 1) for n in names], tokens)
+        elapsed = time.perf_counter() - start
+        for name in names:
+            engine.close(name)
+        return elapsed
+
+    return run
 
 
-def measure_engines(
-    engines: dict[str, StageEngine], streams: int, steps: int, repeats: int, vocab: int
-) -> dict[str, dict[str, Any]]:
-    """Decode rounds of every engine taken in turn, so a slow spell of the machine falls on all of them.
+def engine_prefill_round(engine: StageEngine) -> PrefillRound:
+    """Seconds for one stream's prompt `ids` in one step."""
 
-    Each engine's step time is the median of its rounds; `paired` is, for every engine after the first,
-    the median over the repeats of its rate over the first engine's rate in the same repeat.
+    def run(ids: np.ndarray) -> float:
+        engine.open("p")
+        start = time.perf_counter()
+        engine.step([Segment("p", 0, len(ids))], ids, np.array([len(ids) - 1]))
+        elapsed = time.perf_counter() - start
+        engine.close("p")
+        return elapsed
+
+    return run
+
+
+class Oracle:
+    """transformers' InklingForCausalLM in f32 on the same checkpoint, timed in turn with the engines."""
+
+    def __init__(self, model_dir: Path, threads: int) -> None:
+        import torch
+        from transformers import InklingForCausalLM
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.model = InklingForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+    def decode_round(self, streams: int, steps: int, rng: np.random.Generator) -> float:
+        import torch
+        from transformers import DynamicCache
+
+        vocab = self.model.config.unpadded_vocab_size or self.model.config.vocab_size
+        with torch.no_grad():
+            cache = DynamicCache(config=self.model.config)
+            ids = torch.from_numpy(rng.integers(3, vocab, size=(streams, PROMPT_TOKENS)))
+            self.model(ids, past_key_values=cache, use_cache=True)
+            token = torch.from_numpy(rng.integers(3, vocab, size=(streams, 1)))
+            start = time.perf_counter()
+            for _ in range(steps):
+                self.model(token, past_key_values=cache, use_cache=True)
+            return time.perf_counter() - start
+
+    def prefill_round(self, ids: np.ndarray) -> float:
+        import torch
+
+        with torch.no_grad():
+            start = time.perf_counter()
+            self.model(torch.from_numpy(ids)[None])
+            return time.perf_counter() - start
+
+
+def timed_rounds(contenders: dict[str, Callable[[], float]], repeats: int) -> dict[str, list[float]]:
+    """Every contender once to warm up, then `repeats` rounds of each taken in turn (the order reversed
+    every other round), so a slow spell of this shared machine falls on all of them alike."""
+    for round_once in contenders.values():
+        round_once()  # the first inference allocates
+    rounds: dict[str, list[float]] = {label: [] for label in contenders}
+    for repeat in range(repeats):
+        order = list(contenders) if repeat % 2 == 0 else list(reversed(contenders))
+        for label in order:
+            rounds[label].append(contenders[label]())
+    return rounds
+
+
+def paired(base: list[float], own: list[float]) -> float:
+    """Median over the rounds of the base's time over this one's: own's speed relative to the base's."""
+    return statistics.median(b / o for b, o in zip(base, own, strict=True))
+
+
+def measure_decode(
+    engines: dict[str, StageEngine], oracle: Oracle | None, streams: int, steps: int, repeats: int, vocab: int
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any] | None]:
+    """Decode rounds of every engine (and transformers, when given) taken in turn.
+
+    Each engine's step time is the median of its rounds; every engine after the first gets
+    `paired_vs_<first>`, and each `vs_transformers_f32`, the medians of the per-round ratios.
     """
     rng = np.random.default_rng(0)
-    for engine in engines.values():
-        _decode_round(engine, streams, steps, rng, vocab)  # warm-up: first inference allocates
-    rounds: dict[str, list[float]] = {label: [] for label in engines}
-    for repeat in range(repeats):
-        order = list(engines) if repeat % 2 == 0 else list(reversed(engines))
-        for label in order:
-            rounds[label].append(_decode_round(engines[label], streams, steps, rng, vocab))
+    contenders: dict[str, Callable[[], float]] = {
+        label: functools.partial(engine_decode_round(engine, vocab), streams, steps, rng)
+        for label, engine in engines.items()
+    }
+    if oracle is not None:
+        contenders[ORACLE] = functools.partial(oracle.decode_round, streams, steps, rng)
+    rounds = timed_rounds(contenders, repeats)
+
+    def rates(times: list[float]) -> dict[str, Any]:
+        step_time = statistics.median(times) / steps
+        return {"step_s": step_time, "tokens_per_s": streams / step_time, "rounds_s": times}
+
     first = next(iter(engines))
     out: dict[str, dict[str, Any]] = {}
-    for label, times in rounds.items():
-        step_time = statistics.median(times) / steps
-        out[label] = {"step_s": step_time, "tokens_per_s": streams / step_time, "rounds_s": times}
+    for label in engines:
+        out[label] = rates(rounds[label])
         if label != first:
-            out[label][f"paired_vs_{first}"] = statistics.median(
-                base / own for base, own in zip(rounds[first], times, strict=True)
-            )
-    return out
+            out[label][f"paired_vs_{first}"] = paired(rounds[first], rounds[label])
+        if oracle is not None:
+            out[label]["vs_transformers_f32"] = paired(rounds[ORACLE], rounds[label])
+    return out, rates(rounds[ORACLE]) if oracle is not None else None
 
 
-def measure_prefill(engine: StageEngine, repeats: int, vocab: int) -> float:
+def measure_prefill(
+    engines: dict[str, StageEngine], oracle: Oracle | None, repeats: int, vocab: int
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any] | None]:
+    """One stream's 128-token prompt through every engine (and transformers) in turn, as `measure_decode`."""
     ids = np.random.default_rng(1).integers(3, vocab, size=PREFILL_TOKENS)
+    contenders: dict[str, Callable[[], float]] = {
+        label: functools.partial(engine_prefill_round(engine), ids) for label, engine in engines.items()
+    }
+    if oracle is not None:
+        contenders[ORACLE] = functools.partial(oracle.prefill_round, ids)
+    rounds = timed_rounds(contenders, repeats)
 
-    def once() -> None:
-        engine.open("p")
-        engine.step([Segment("p", 0, PREFILL_TOKENS)], ids, np.array([PREFILL_TOKENS - 1]))
-        engine.close("p")
+    def rates(times: list[float]) -> dict[str, Any]:
+        return {"tokens_per_s": PREFILL_TOKENS / statistics.median(times), "rounds_s": times}
 
-    once()
-    return PREFILL_TOKENS / _median_time(once, repeats)
-
-
-def measure_transformers(model_dir: Path, streams: tuple[int, ...], steps: int, repeats: int, threads: int) -> dict:
-    import torch
-    from transformers import DynamicCache, InklingForCausalLM
-
-    if threads:
-        torch.set_num_threads(threads)
-    model = InklingForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    vocab = model.config.unpadded_vocab_size or model.config.vocab_size
-    out: dict[str, Any] = {"decode": {}}
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for count in streams:
-            times = []
-            for _ in range(repeats + 1):
-                ids = torch.randint(3, vocab, (count, PROMPT_TOKENS), generator=gen)
-                cache = DynamicCache(config=model.config)
-                model(ids, past_key_values=cache, use_cache=True)
-                token = torch.randint(3, vocab, (count, 1), generator=gen)
-                start = time.perf_counter()
-                for _ in range(steps):
-                    model(token, past_key_values=cache, use_cache=True)
-                times.append((time.perf_counter() - start) / steps)
-            step = statistics.median(times[1:])
-            out["decode"][str(count)] = {"step_s": step, "tokens_per_s": count / step}
-        ids = torch.randint(3, vocab, (1, PREFILL_TOKENS), generator=gen)
-        model(ids)
-        prefill = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            model(ids)
-            prefill.append(time.perf_counter() - start)
-        out["prefill_tokens_per_s"] = PREFILL_TOKENS / statistics.median(prefill)
-    del model
-    return out
+    out = {label: rates(rounds[label]) for label in engines}
+    if oracle is not None:
+        for label in engines:
+            out[label]["vs_transformers_f32"] = paired(rounds[ORACLE], rounds[label])
+    return out, rates(rounds[ORACLE]) if oracle is not None else None
 
 
 def measure_dense_layer(model_dir: Path, shape: ModelShape, repeats: int) -> dict[str, Any] | None:
@@ -277,6 +335,13 @@ def run_engine_bench(config: EngineBenchConfig, console: Console) -> dict[str, A
         "params": sum(shape.layer_parameter_count(i) for i in range(shape.num_layers)),
         "engine": {},
     }
+    oracle = None
+    if config.oracle:
+        with console.status("loading transformers f32"):
+            oracle = Oracle(model_dir, config.threads)
+        # transformers runs in turn with each precision's engines; its figures per precision's pass
+        summary["transformers"] = {"passes": {}}
+    vocab = shape.unpadded_vocab_size
     weights = load_stage(model_dir, 0, shape.num_layers)
     for mode in config.precisions:
         labels = {kernel: mode if kernel == "auto" else f"{mode} {kernel}" for kernel in config.expert_kernels}
@@ -294,9 +359,12 @@ def run_engine_bench(config: EngineBenchConfig, console: Console) -> dict[str, A
                 "expert_kernel": settings.expert_kernel_path,
                 "fused_ops": engines[label].runtime_ops()[-1],
             }
+        beside: dict[str, Any] = {"decode": {}}
         for count in config.streams:
             with console.status(f"{mode}: decode at {count} streams"):
-                results = measure_engines(engines, count, config.steps, config.repeats, shape.unpadded_vocab_size)
+                results, beside["decode"][str(count)] = measure_decode(
+                    engines, oracle, count, config.steps, config.repeats, vocab
+                )
             step_bytes = step_weight_bytes(shape, mode, count)
             floor_s = step_bytes / bandwidth
             for label, result in results.items():
@@ -304,31 +372,29 @@ def run_engine_bench(config: EngineBenchConfig, console: Console) -> dict[str, A
                 result["fraction_of_floor"] = floor_s / result["step_s"]
                 result["fraction_of_matvec_floor"] = step_bytes / matvec / result["step_s"]
                 summary["engine"][label]["decode"][str(count)] = result
+                versus = f", {result['vs_transformers_f32']:.2f}x transformers" if oracle else ""
                 console.print(
                     f"{label:12s} {count:3d} streams: {result['tokens_per_s']:8.1f} tok/s "
-                    f"({result['fraction_of_floor']:.2f} of the bandwidth floor)"
+                    f"({result['fraction_of_floor']:.2f} of the bandwidth floor{versus})"
                 )
-        for label in labels.values():
-            with console.status(f"{label}: prefill"):
-                summary["engine"][label]["prefill_tokens_per_s"] = measure_prefill(
-                    engines[label], config.repeats, shape.unpadded_vocab_size
-                )
+        with console.status(f"{mode}: prefill"):
+            prefill, beside["prefill"] = measure_prefill(engines, oracle, config.repeats, vocab)
+        for label, result in prefill.items():
+            summary["engine"][label]["prefill_tokens_per_s"] = result["tokens_per_s"]
+            summary["engine"][label]["prefill_rounds_s"] = result["rounds_s"]
+            if oracle is not None:
+                summary["engine"][label]["prefill_vs_transformers_f32"] = result["vs_transformers_f32"]
+        if oracle is not None:
+            summary["transformers"]["passes"][mode] = beside
         engines.clear()  # before the next precision's engines compile
-    del weights
+    del weights, oracle
+    if config.oracle:
+        # the plot's bars: transformers as measured beside the first precision
+        first = summary["transformers"]["passes"][config.precisions[0]]
+        summary["transformers"]["decode"] = first["decode"]
+        summary["transformers"]["prefill_tokens_per_s"] = first["prefill"]["tokens_per_s"]
     with console.status("dense layer both ways"):
         summary["dense_layer"] = measure_dense_layer(model_dir, shape, config.repeats)
-    if config.oracle:
-        with console.status("transformers f32"):
-            summary["transformers"] = measure_transformers(
-                model_dir, config.streams, config.steps, config.repeats, config.threads
-            )
-        ref = summary["transformers"]["decode"]
-        for entry in summary["engine"].values():
-            for count, result in entry["decode"].items():
-                result["vs_transformers_f32"] = result["tokens_per_s"] / ref[count]["tokens_per_s"]
-            entry["prefill_vs_transformers_f32"] = (
-                entry["prefill_tokens_per_s"] / summary["transformers"]["prefill_tokens_per_s"]
-            )
     (config.out / "engine.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot_engine(summary, config.out / "engine.png")
     return summary

@@ -22,7 +22,7 @@ from openvino.utils.node_factory import NodeFactory
 from cascadia.engine.kv_quant import PARAMS
 from cascadia.engine.settings import FUSED_FFN, FfnForm
 from cascadia.engine.state import KV_BLOCK
-from cascadia.engine.weights import Weight, WeightFormat, weight_node
+from cascadia.engine.weights import Quantized, Weight, WeightFormat, weight_node
 from cascadia.model.checkpoint import LayerWeights
 from cascadia.model.config import ModelShape
 from cascadia.model.formats import (
@@ -433,6 +433,12 @@ def _grouped_experts(
     return ops.scatter_nd_update(zeros, ops.unsqueeze(rows, _i64(1)), outputs, "sum")
 
 
+def _bank_form(weight: Weight, fmt: WeightFormat, ffn: FfnForm) -> str:
+    """The form of a bank: its weights' stored format (as read, else as the settings store them) picks it."""
+    stored = weight.fmt if isinstance(weight, Quantized) else fmt
+    return ffn.experts if stored == "f32" else ffn.compressed_experts
+
+
 def _expert_block(
     shape: ModelShape,
     layer: LayerWeights,
@@ -460,7 +466,7 @@ def _expert_block(
         mixed = linear(ops.multiply(swish(gate), up), join_input_columns(down), fmt, f"l{i}.down")
         if layer.dense_scale != 1.0:
             mixed = ops.multiply(mixed, _f32(layer.dense_scale))
-    elif ffn.experts == "grouped":
+    elif _bank_form(bank.gate, fmt, ffn) == "grouped":
         mixed = _grouped_experts(x, index, weight, bank.gate, bank.up, down, fmt, f"l{i}.experts")
     else:
         gate = weight_node(bank.gate, fmt, f"l{i}.experts.gate")

@@ -31,10 +31,13 @@ class FfnForm:
     `experts`: an expert bank in the vectorised form the plugins fuse into their MoE kernels
     ("fused"), or its (row, expert) pairs sorted by expert and each expert's rows run as one plain
     matmul ("grouped").
+    `compressed_experts`: the form of a bank whose weights are stored compressed, whether by the
+    expert format or as read from the file (a GGUF's blocks); `experts` is then the f32 banks' form.
     """
 
     dense: Literal["experts", "matmul"] = "experts"
     experts: Literal["fused", "grouped"] = "fused"
+    compressed_experts: Literal["fused", "grouped"] = "fused"
 
 
 FUSED_FFN = FfnForm()  # one fused expert path for sparse and dense layers, the iGPU's form
@@ -115,7 +118,8 @@ class EngineSettings:
         rows on (1.23x the fused kernel at 32 streams of the mini preset, 0.88x at one); with
         compressed weights the CPU's fused kernel decompresses faster than its compressed matmuls
         and stays ahead to about 32 rows (docs/benchmarks.md "Grouped experts"). The iGPU keeps its
-        fused MoE kernel.
+        fused MoE kernel. This is the form of banks stored in f32: banks read already compressed (a
+        GGUF's blocks) keep the fused kernel unless a kernel is named (`ffn_form`).
         """
         if self.expert_kernel != "auto":
             return self.expert_kernel
@@ -124,7 +128,8 @@ class EngineSettings:
 
     @property
     def ffn_form(self) -> FfnForm:
-        return FfnForm(self.dense_ffn_path, self.expert_kernel_path)
+        compressed = "fused" if self.expert_kernel == "auto" else self.expert_kernel
+        return FfnForm(self.dense_ffn_path, self.expert_kernel_path, compressed)
 
     @property
     def paged_attention(self) -> bool:
