@@ -33,6 +33,10 @@ from cascadia.model.loader import load_stage
 PROMPT_TOKENS = 16
 PREFILL_TOKENS = 128
 
+ORACLE = "transformers f32"
+DecodeRound = Callable[[int, int, np.random.Generator], float]
+PrefillRound = Callable[[np.ndarray], float]
+
 
 @dataclass(frozen=True)
 class EngineBenchConfig:
@@ -121,11 +125,6 @@ def step_weight_bytes(shape: ModelShape, settings_name: str, streams: int) -> fl
             total += 4 * (shape.n_routed_experts + shape.n_shared_experts) * h  # f32 router
     total += stored_bytes((shape.unpadded_vocab_size, h), s.head_weights)
     return total
-
-
-ORACLE = "transformers f32"
-DecodeRound = Callable[[int, int, np.random.Generator], float]
-PrefillRound = Callable[[np.ndarray], float]
 
 
 def _median_time(fn: Callable[[], None], repeats: int) -> float:
@@ -220,6 +219,15 @@ def timed_rounds(contenders: dict[str, Callable[[], float]], repeats: int) -> di
     return rounds
 
 
+def rounds_beside_oracle(
+    contenders: dict[str, Callable[[], float]], oracle_round: Callable[[], float] | None, repeats: int
+) -> dict[str, list[float]]:
+    """`timed_rounds` of the contenders, with transformers' rounds (under `ORACLE`) among them when given."""
+    if oracle_round is not None:
+        contenders = {**contenders, ORACLE: oracle_round}
+    return timed_rounds(contenders, repeats)
+
+
 def paired(base: list[float], own: list[float]) -> float:
     """Median over the rounds of the base's time over this one's: own's speed relative to the base's."""
     return statistics.median(b / o for b, o in zip(base, own, strict=True))
@@ -238,9 +246,8 @@ def measure_decode(
         label: functools.partial(engine_decode_round(engine, vocab), streams, steps, rng)
         for label, engine in engines.items()
     }
-    if oracle is not None:
-        contenders[ORACLE] = functools.partial(oracle.decode_round, streams, steps, rng)
-    rounds = timed_rounds(contenders, repeats)
+    oracle_round = functools.partial(oracle.decode_round, streams, steps, rng) if oracle is not None else None
+    rounds = rounds_beside_oracle(contenders, oracle_round, repeats)
 
     def rates(times: list[float]) -> dict[str, Any]:
         step_time = statistics.median(times) / steps
@@ -265,9 +272,8 @@ def measure_prefill(
     contenders: dict[str, Callable[[], float]] = {
         label: functools.partial(engine_prefill_round(engine), ids) for label, engine in engines.items()
     }
-    if oracle is not None:
-        contenders[ORACLE] = functools.partial(oracle.prefill_round, ids)
-    rounds = timed_rounds(contenders, repeats)
+    oracle_round = functools.partial(oracle.prefill_round, ids) if oracle is not None else None
+    rounds = rounds_beside_oracle(contenders, oracle_round, repeats)
 
     def rates(times: list[float]) -> dict[str, Any]:
         return {"tokens_per_s": PREFILL_TOKENS / statistics.median(times), "rounds_s": times}
