@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from cascadia.engine.settings import EngineSettings
+from cascadia.engine.settings import EngineSettings, preset
 from tests.test_cli import cascadia
 
 
@@ -63,6 +63,7 @@ def test_an_unknown_expert_kernel_is_named_in_the_error(tmp_path):
 def test_the_device_picks_the_expert_kernel_unless_told():
     assert EngineSettings().expert_kernel_path == "grouped"
     assert EngineSettings(expert_weights="int8").expert_kernel_path == "fused"
+    assert preset("bf16").expert_kernel_path == "fused"
     assert EngineSettings(device="GPU").expert_kernel_path == "fused"
     assert EngineSettings(expert_kernel="fused").expert_kernel_path == "fused"
     assert EngineSettings(device="GPU", expert_kernel="grouped").ffn_form.experts == "grouped"

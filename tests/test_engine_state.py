@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 
@@ -259,3 +262,17 @@ def test_a_global_cache_grows_in_doubling_blocks_up_to_its_budget_and_keeps_its_
     blocks = cache.blocks(2)
     assert np.shares_memory(blocks, cache.data) and blocks.shape == (2, 2, KV_BLOCK, 4)
     np.testing.assert_array_equal(blocks[1, :, 5], cache.read(np.array([KV_BLOCK + 5]))[0])
+
+
+def test_a_dropped_engine_frees_its_compiled_models_without_a_garbage_collection(tiny):
+    """A shard replacing its engine, or a bench moving to the next precision, gets the memory back at once."""
+    engine = StageEngine(load_stage(tiny, 0, load_shape(tiny).num_layers), EngineSettings(context=64))
+    engine.open("s")
+    feed(engine, "s", IDS[:8], window=4)
+    dropped = weakref.ref(engine)
+    gc.disable()
+    try:
+        del engine
+        assert dropped() is None, "the engine sits in a reference cycle"
+    finally:
+        gc.enable()

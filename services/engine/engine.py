@@ -248,18 +248,21 @@ class StageEngine:
         # models compiled later (a trace's per-layer outputs, the head alone) are built from the weights
         # read again when `reload` says how, so that once compiled the engine holds no copy of them
         again: Callable[[], StageWeights] = reload if reload is not None else (lambda: weights)
+        # the closures kept for later compiles read these, not `self`: an engine holding a closure over
+        # itself sits in a reference cycle and keeps its compiled models until a garbage collection
+        shape, is_last, embeds_in_stage = self.shape, self.is_last, self._embeds_in_stage
         if self.shape.family == "llama" and not settings.split_expert_graph:
             # small dense layers: one compiled model for the whole range, so a step is one call
             if settings.paged_attention:
 
                 def stage(w: StageWeights, layer_outputs: bool) -> ov.Model:
                     # the last stage ends in the head too: one call per step, not two
-                    head = llama_graphs.StageHead(w.final_norm, w.head, settings.head_weights) if self.is_last else None
+                    head = llama_graphs.StageHead(w.final_norm, w.head, settings.head_weights) if is_last else None
                     embed = None
-                    if self._embeds_in_stage:
+                    if embeds_in_stage:
                         embed = llama_graphs.StageEmbed(w.embed, w.embed_norm, settings.head_weights)
                     return llama_graphs.paged_stage_graph(
-                        self.shape,
+                        shape,
                         w.layers,
                         settings.attention_weights,
                         settings.expert_weights,
@@ -298,7 +301,7 @@ class StageEngine:
         if self.is_last:
 
             def head_model(w: StageWeights) -> ov.CompiledModel:
-                model = graphs.head_graph(self.shape, w.final_norm, w.head, settings.head_weights)
+                model = graphs.head_graph(shape, w.final_norm, w.head, settings.head_weights)
                 return mapped.compile_model(core, model, settings, residual_cfg)
 
             self._compile_head = lambda: head_model(again())

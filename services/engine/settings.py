@@ -120,11 +120,16 @@ class EngineSettings:
         and stays ahead to about 32 rows (docs/benchmarks.md "Grouped experts"). The iGPU keeps its
         fused MoE kernel. This is the form of banks stored in f32: banks read already compressed (a
         GGUF's blocks) keep the fused kernel unless a kernel is named (`ffn_form`).
+
+        Experts computed in bf16 keep the fused kernel too: the plugin repacks its weights to bf16
+        once, where the grouped matmuls convert the f32 weights at every call (on an AVX-512 BF16 CPU
+        the fused kernel ran 1.5x / 1.3x / 1.03x grouped at 1 / 8 / 32 streams of the mini preset,
+        docs/benchmarks.md "A CPU with AVX-512 BF16").
         """
         if self.expert_kernel != "auto":
             return self.expert_kernel
         cpu = self.device.upper().startswith("CPU")
-        return "grouped" if cpu and self.expert_weights == "f32" else "fused"
+        return "grouped" if cpu and self.expert_weights == "f32" and self.expert_compute == "f32" else "fused"
 
     @property
     def ffn_form(self) -> FfnForm:
