@@ -123,7 +123,7 @@ class EngineSettings:
 
         Experts computed in bf16 keep the fused kernel too: the plugin repacks its weights to bf16
         once, where the grouped matmuls convert the f32 weights at every call (on an AVX-512 BF16 CPU
-        the fused kernel ran 1.5x / 1.3x / 1.03x grouped at 1 / 8 / 32 streams of the mini preset,
+        the fused kernel ran 1.35x / 1.30x / 1.03x grouped at 1 / 8 / 32 streams of the mini preset,
         docs/benchmarks.md "A CPU with AVX-512 BF16").
         """
         if self.expert_kernel != "auto":
