@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
+import openvino as ov
 import pytest
 
+from cascadia.engine import graphs
 from cascadia.engine.batch import Segment
-from cascadia.engine.engine import StageEngine
+from cascadia.engine.engine import StageEngine, compile_config
 from cascadia.engine.generate import generate
 from cascadia.engine.sampling import SamplingParams
 from cascadia.engine.settings import EngineSettings, preset
@@ -146,9 +148,36 @@ def test_grouped_experts_equal_the_fused_kernel(tiny, mode):
     for layer, layer_ops in zip(range(shape.num_layers), engines["grouped"].runtime_ops(), strict=False):
         if not shape.is_dense(layer):
             assert "GatherMatmul" not in layer_ops and layer_ops.get("FullyConnected", 0) >= per_bank, layer_ops
+    if mode == "bf16":
+        # bf16 arithmetic rounds the two orders differently, and across layers a rounding can flip a
+        # near-tie in routing: each bank is compared on the same inputs instead of the whole model
+        for fused, grouped in zip(
+            *(bank_outputs(weights, preset(mode, expert_kernel=k)) for k in ("fused", "grouped")), strict=True
+        ):
+            assert relative_rms(grouped, fused) <= 1e-2
+        return
     outputs = {kernel: run_streams_together(engine, list(PROMPTS.values())) for kernel, engine in engines.items()}
     for fused, grouped in zip(outputs["fused"], outputs["grouped"], strict=True):
-        assert relative_rms(grouped, fused) <= (1e-2 if mode == "bf16" else 1e-5)
+        assert relative_rms(grouped, fused) <= 1e-5
+
+
+def bank_outputs(weights, settings: EngineSettings, rows: int = 24) -> list[np.ndarray]:
+    """Each sparse layer's expert bank alone, compiled at the settings' expert precision, on the same random rows."""
+    shape = weights.shape
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((rows, shape.hidden_size)).astype(np.float32)
+    chosen = shape.num_experts_per_tok + shape.n_shared_experts
+    total = shape.n_routed_experts + shape.n_shared_experts
+    index = np.stack([rng.choice(total, chosen, replace=False) for _ in range(rows)]).astype(np.int32)
+    weight = rng.random((rows, chosen)).astype(np.float32)
+    outputs = []
+    for layer in weights.layers:
+        if shape.is_dense(layer.index):
+            continue
+        model = graphs.expert_graph(shape, layer, settings.expert_weights, 1.0, settings.ffn_form)
+        compiled = ov.Core().compile_model(model, settings.device, compile_config(settings, settings.expert_compute))
+        outputs.append(compiled({"mlp_input": x, "expert_index": index, "expert_weight": weight})["expert_out"])
+    return outputs
 
 
 @pytest.mark.parametrize("mode", ["f32", "bf16", "int4"])

@@ -22,7 +22,17 @@ from cascadia.engine.batch import KeyPlan, Segment, StepPlan, check_segments, pl
 from cascadia.engine.kv_quant import STORAGE, bytes_per_element
 from cascadia.engine.paged import BlockPool, PagedTables, blocks_for, paged_tables
 from cascadia.engine.settings import EngineSettings
-from cascadia.engine.state import BudgetExceeded, GrowingRows, LayerState, RingRows, Rows, StreamState
+from cascadia.engine.state import (
+    BudgetExceeded,
+    GrowingRows,
+    HistorySlots,
+    LayerState,
+    RingRows,
+    Rows,
+    StreamState,
+    conv_histories,
+    history_slots,
+)
 from cascadia.model.checkpoint import LayerWeights, StageWeights
 from cascadia.model.config import AttentionShape
 from cascadia.model.formats import as_float
@@ -470,8 +480,10 @@ class StageEngine:
         elif self._stage_request is not None:
             hidden = self._run_stage(plan, states, hidden, trace)
         else:
+            kernel = self.shape.conv_kernel_size
+            slots = history_slots([seg.start for seg in segments], kernel, kernel - 1 + self.settings.rewind_slack)
             for li, layer in enumerate(self._layers):
-                hidden = self._run_layer(li, layer, plan, states, hidden)
+                hidden = self._run_layer(li, layer, plan, states, hidden, slots)
                 if trace is not None:
                     trace.append(hidden)
         for seg, state in zip(segments, states, strict=True):
@@ -573,16 +585,19 @@ class StageEngine:
         return out["hidden_out"]
 
     def _run_layer(
-        self, li: int, layer: _Layer, plan: StepPlan, states: list[StreamState], hidden: np.ndarray
+        self,
+        li: int,
+        layer: _Layer,
+        plan: StepPlan,
+        states: list[StreamState],
+        hidden: np.ndarray,
+        slots: HistorySlots,
     ) -> np.ndarray:
-        kernel = self.shape.conv_kernel_size
         keys_plan = plan.keys[layer.attention.window]
         segs = plan.segments
 
         def history(conv: str) -> np.ndarray:
-            return np.concatenate(
-                [st.conv_history(li, conv, s.start, kernel) for st, s in zip(states, segs, strict=True)]
-            )
+            return conv_histories([st.layers[li].convs[conv] for st in states], slots)
 
         past = keys_plan.past_positions
         keys, values = [st.layers[li].keys for st in states], [st.layers[li].values for st in states]

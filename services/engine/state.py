@@ -155,6 +155,35 @@ def _blocks_for(rows: int) -> int:
 Rows = RingRows | GrowingRows
 
 
+@dataclass(frozen=True)
+class HistorySlots:
+    """Where a step's short-convolution histories lie in the streams' rings.
+
+    Stream b's inputs at positions start-K+1 .. start-1, oldest first, are rows `slots[b]` of each of
+    its convolution rings (all rings of a stage have one capacity); `before_start` marks the rows of
+    the concatenated histories that precede a stream's first position, which read as zeros (None
+    when no stream is that young). Worked out once per step, not per layer and convolution.
+    """
+
+    slots: list[np.ndarray]
+    before_start: np.ndarray | None
+
+
+def history_slots(starts: list[int], kernel: int, capacity: int) -> HistorySlots:
+    positions = np.asarray(starts)[:, None] + np.arange(1 - kernel, 0)
+    slots = np.maximum(positions, 0) % capacity
+    young = positions < 0
+    return HistorySlots(list(slots), young.reshape(-1) if young.any() else None)
+
+
+def conv_histories(rings: list[RingRows], where: HistorySlots) -> np.ndarray:
+    """One convolution's histories of every stream, concatenated [S * (K - 1), width]."""
+    rows = np.concatenate([ring.data[slots] for ring, slots in zip(rings, where.slots, strict=True)])
+    if where.before_start is not None:
+        rows[where.before_start] = 0.0
+    return rows
+
+
 @dataclass
 class LayerState:
     keys: Rows
@@ -178,14 +207,6 @@ class StreamState:
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
-
-    def conv_history(self, layer: int, conv: str, start: int, kernel: int) -> np.ndarray:
-        """Inputs at positions start-K+1 .. start-1 (zeros before the stream began), oldest first."""
-        ring = self.layers[layer].convs[conv]
-        positions = np.arange(start - kernel + 1, start)
-        rows = ring.read(np.maximum(positions, 0))
-        rows[positions < 0] = 0.0
-        return rows
 
     def rewind(self, position: int) -> None:
         if not 0 <= position <= self.position:
