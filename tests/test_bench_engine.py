@@ -40,13 +40,13 @@ def test_each_expert_kernel_is_measured_under_its_own_label(tiny, tmp_path):
         assert entry["prefill_vs_transformers_f32"] == pytest.approx(prefill)
     assert summary["transformers"]["decode"] == summary["transformers"]["passes"]["f32"]["decode"]
     # both floors divide the same step bytes: their fractions differ by the two rates' ratio
-    assert set(summary["matvec_bytes_per_s"]) == {"f32", "int8"}
+    assert set(summary["matvec_bytes_per_s"]) == set(summary["read_bandwidth_bytes_per_s"]) == {"f32", "int8"}
     for label, entry in summary["engine"].items():
         matvec = summary["matvec_bytes_per_s"][label.split()[0]]
         assert matvec > 0
         for result in entry["decode"].values():
             ratio = result["fraction_of_matvec_floor"] / result["fraction_of_floor"]
-            assert ratio == pytest.approx(summary["read_bandwidth_bytes_per_s"] / matvec)
+            assert ratio == pytest.approx(summary["read_bandwidth_bytes_per_s"][label.split()[0]] / matvec)
     assert (tmp_path / "engine.png").stat().st_size > 0
 
 

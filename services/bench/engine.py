@@ -329,14 +329,13 @@ def run_engine_bench(config: EngineBenchConfig, console: Console) -> dict[str, A
     config.out.mkdir(parents=True, exist_ok=True)
     model_dir = ensure_model(config, console)
     shape = load_shape(model_dir)
-    with console.status("measuring read bandwidth"):
-        bandwidth = read_bandwidth()
-    console.print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
     summary: dict[str, Any] = {
         "model": str(model_dir),
         "config": {k: str(v) for k, v in asdict(config).items()},
-        "read_bandwidth_bytes_per_s": bandwidth,
-        # per precision: stored weight bytes per second of the device's one-row matmul (`matvec_bandwidth`)
+        # both floors per precision, measured just before its rounds: this shared machine's bandwidth
+        # drifts by up to 2x over the minutes a run takes
+        "read_bandwidth_bytes_per_s": {},
+        # stored weight bytes per second of the device's one-row matmul (`matvec_bandwidth`)
         "matvec_bytes_per_s": {},
         "params": sum(shape.layer_parameter_count(i) for i in range(shape.num_layers)),
         "engine": {},
@@ -351,10 +350,15 @@ def run_engine_bench(config: EngineBenchConfig, console: Console) -> dict[str, A
     weights = load_stage(model_dir, 0, shape.num_layers)
     for mode in config.precisions:
         labels = {kernel: mode if kernel == "auto" else f"{mode} {kernel}" for kernel in config.expert_kernels}
-        with console.status(f"{mode}: the device's matrix-vector rate"):
+        with console.status(f"{mode}: read bandwidth and the device's matrix-vector rate"):
+            bandwidth = read_bandwidth()
             matvec = matvec_bandwidth(shape, preset(mode, threads=config.threads))
+        summary["read_bandwidth_bytes_per_s"][mode] = bandwidth
         summary["matvec_bytes_per_s"][mode] = matvec
-        console.print(f"{mode}: the device's one-row matmul reads {matvec / 1e9:.1f} GB/s of stored weights")
+        console.print(
+            f"{mode}: read bandwidth {bandwidth / 1e9:.1f} GB/s; "
+            f"the device's one-row matmul reads {matvec / 1e9:.1f} GB/s of stored weights"
+        )
         engines: dict[str, StageEngine] = {}
         for kernel, label in labels.items():
             with console.status(f"compiling {label}"):
