@@ -480,8 +480,11 @@ class StageEngine:
         elif self._stage_request is not None:
             hidden = self._run_stage(plan, states, hidden, trace)
         else:
-            kernel = self.shape.conv_kernel_size
-            slots = history_slots([seg.start for seg in segments], kernel, kernel - 1 + self.settings.rewind_slack)
+            slots = None
+            if self.shape.has_convs:
+                rings = states[0].layers[0].convs["k"]  # every conv ring of a stage has one capacity
+                starts = [seg.start for seg in segments]
+                slots = history_slots(starts, self.shape.conv_kernel_size, rings.capacity)
             for li, layer in enumerate(self._layers):
                 hidden = self._run_layer(li, layer, plan, states, hidden, slots)
                 if trace is not None:
@@ -591,12 +594,13 @@ class StageEngine:
         plan: StepPlan,
         states: list[StreamState],
         hidden: np.ndarray,
-        slots: HistorySlots,
+        slots: HistorySlots | None,
     ) -> np.ndarray:
         keys_plan = plan.keys[layer.attention.window]
         segs = plan.segments
 
         def history(conv: str) -> np.ndarray:
+            assert slots is not None, "histories are read only on stages with convolutions"
             return conv_histories([st.layers[li].convs[conv] for st in states], slots)
 
         past = keys_plan.past_positions
