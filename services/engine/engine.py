@@ -37,7 +37,7 @@ from cascadia.model.checkpoint import LayerWeights, StageWeights
 from cascadia.model.config import AttentionShape
 from cascadia.model.formats import as_float
 
-CONVS = ("k", "v", "o", "m")
+CONV_INPUTS = ("k_conv_in", "v_conv_in", "o_conv_in", "m_conv_in")  # as their histories lie in a stream's ring
 Progress = Callable[[str, int, int], None]
 
 
@@ -129,6 +129,9 @@ class _Layer:
             self.attention.kind == "global" and shape.log_scaling_n_floor is not None
         )
         self.has_convs = shape.has_convs
+        h = shape.hidden_size
+        self.conv_widths = (self.attention.kv_width, self.attention.kv_width, h, h)  # k, v, o, m
+        self.conv_splits = list(np.cumsum(self.conv_widths)[:-1])
         # Llama has no relative bias, so every cached key is read from the far blocks: no cached band
         self.has_cached_band = shape.family != "llama"
 
@@ -371,9 +374,7 @@ class StageEngine:
             else:
                 keys = RingRows(a.window - 1 + slack, row, dtype=kv)
                 values = RingRows(a.window - 1 + slack, row, dtype=kv)
-            h = self.shape.hidden_size
-            widths = {"k": a.kv_width, "v": a.kv_width, "o": h, "m": h} if self.shape.has_convs else {}
-            convs = {name: RingRows(kernel - 1 + slack, (width,)) for name, width in widths.items()}
+            convs = RingRows(kernel - 1 + slack, (sum(layer.conv_widths),)) if layer.has_convs else None
             layers.append(LayerState(keys, values, convs))
         self._streams[stream] = StreamState(layers, 0, slack)
 
@@ -482,7 +483,8 @@ class StageEngine:
         else:
             slots = None
             if self.shape.has_convs:
-                rings = states[0].layers[0].convs["k"]  # every conv ring of a stage has one capacity
+                rings = states[0].layers[0].convs  # every conv ring of a stage has one capacity
+                assert rings is not None
                 starts = [seg.start for seg in segments]
                 slots = history_slots(starts, self.shape.conv_kernel_size, rings.capacity)
             for li, layer in enumerate(self._layers):
@@ -599,10 +601,6 @@ class StageEngine:
         keys_plan = plan.keys[layer.attention.window]
         segs = plan.segments
 
-        def history(conv: str) -> np.ndarray:
-            assert slots is not None, "histories are read only on stages with convolutions"
-            return conv_histories([st.layers[li].convs[conv] for st in states], slots)
-
         past = keys_plan.past_positions
         keys, values = [st.layers[li].keys for st in states], [st.layers[li].values for st in states]
         inputs = {
@@ -620,21 +618,22 @@ class StageEngine:
             inputs.update(_far_inputs("far_v", values, keys_plan))
         hist_m = None
         if layer.has_convs:
+            assert slots is not None, "histories are read only on stages with convolutions"
+            joint = conv_histories([st.layers[li].convs for st in states], slots)
+            hist_k, hist_v, hist_o, hist_m = (np.ascontiguousarray(h) for h in np.split(joint, layer.conv_splits, 1))
             inputs.update(
-                conv_hist_k=history("k"),
-                conv_hist_v=history("v"),
-                conv_hist_o=history("o"),
+                conv_hist_k=hist_k,
+                conv_hist_v=hist_v,
+                conv_hist_o=hist_o,
                 conv_index=plan.conv_index,
                 key_distance=keys_plan.key_distance,
             )
-            hist_m = history("m")
             if layer.expert_request is None:
                 inputs["conv_hist_m"] = hist_m
         if layer.needs_query_position:
             inputs["query_position"] = plan.row_position.astype(np.float32)
         out = layer.run(inputs, hist_m, plan.conv_index)
-        conv_outputs = zip(CONVS, ("k_conv_in", "v_conv_in", "o_conv_in", "m_conv_in"), strict=True)
-        conv_outputs = list(conv_outputs) if layer.has_convs else []
+        conv_inputs = np.concatenate([out[name] for name in CONV_INPUTS], 1) if layer.has_convs else None
         for b, (seg, st) in enumerate(zip(segs, states, strict=True)):
             first = int(plan.row_offset[b])
             rows = slice(first, first + seg.length)
@@ -642,8 +641,8 @@ class StageEngine:
             ls = st.layers[li]
             self._write(ls.keys, positions, out["new_k"][rows])
             self._write(ls.values, positions, out["new_v"][rows])
-            for conv, name in conv_outputs:
-                self._write(ls.convs[conv], positions, out[name][rows])
+            if conv_inputs is not None:
+                self._write(ls.convs, positions, conv_inputs[rows])
         return out["hidden_out"]
 
     @staticmethod

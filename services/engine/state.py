@@ -177,7 +177,7 @@ def history_slots(starts: list[int], kernel: int, capacity: int) -> HistorySlots
 
 
 def conv_histories(rings: list[RingRows], where: HistorySlots) -> np.ndarray:
-    """One convolution's histories of every stream, concatenated [S * (K - 1), width]."""
+    """The histories in `rings` of every stream, concatenated [S * (K - 1), width]."""
     rows = np.concatenate([ring.data[slots] for ring, slots in zip(rings, where.slots, strict=True)])
     if where.before_start is not None:
         rows[where.before_start] = 0.0
@@ -188,11 +188,13 @@ def conv_histories(rings: list[RingRows], where: HistorySlots) -> np.ndarray:
 class LayerState:
     keys: Rows
     values: Rows
-    convs: dict[str, RingRows]  # "k", "v", "o", "m": inputs of the four short convolutions
+    # the inputs of the layer's four short convolutions (k, v, o, m) side by side in one ring, so a
+    # step writes and reads them once per stream, not four times; None without convolutions
+    convs: RingRows | None
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes + sum(c.nbytes for c in self.convs.values())
+        return self.keys.nbytes + self.values.nbytes + (0 if self.convs is None else self.convs.nbytes)
 
 
 @dataclass
