@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
+import time
 
 import pytest
 
@@ -75,3 +77,22 @@ def test_the_device_picks_the_expert_kernel_unless_told():
 def test_an_unknown_expert_kernel_setting_is_refused():
     with pytest.raises(ValueError, match="expert_kernel 'gemv' is not one of auto, fused, grouped"):
         EngineSettings(expert_kernel="gemv")  # type: ignore[arg-type]
+
+
+def test_rounds_alternate_their_order_and_each_starts_after_a_quiet_spell():
+    from cascadia.bench.engine import timed_rounds
+
+    calls: list[tuple[str, float]] = []
+
+    def contender(label: str):
+        def round_once() -> float:
+            calls.append((label, time.perf_counter()))
+            return 1.0
+
+        return round_once
+
+    rounds = timed_rounds({"a": contender("a"), "b": contender("b")}, repeats=3, settle_s=0.05)
+    assert rounds == {"a": [1.0] * 3, "b": [1.0] * 3}
+    timed = calls[2:]  # after one warm-up round each
+    assert [label for label, _ in timed] == ["a", "b", "b", "a", "a", "b"]
+    assert all(later - earlier >= 0.05 for (_, earlier), (_, later) in itertools.pairwise(timed))

@@ -31,6 +31,7 @@ from cascadia.model.config import ModelShape, load_shape
 from cascadia.model.loader import load_stage
 
 PROMPT_TOKENS = 16
+SETTLE_S = 0.5  # quiet before each timed round
 PREFILL_TOKENS = 128
 
 ORACLE = "transformers f32"
@@ -206,15 +207,23 @@ class Oracle:
             return time.perf_counter() - start
 
 
-def timed_rounds(contenders: dict[str, Callable[[], float]], repeats: int) -> dict[str, list[float]]:
+def timed_rounds(
+    contenders: dict[str, Callable[[], float]], repeats: int, settle_s: float = SETTLE_S
+) -> dict[str, list[float]]:
     """Every contender once to warm up, then `repeats` rounds of each taken in turn (the order reversed
-    every other round), so a slow spell of this shared machine falls on all of them alike."""
+    every other round), so a slow spell of this shared machine falls on all of them alike.
+
+    Each round starts after `settle_s` of quiet: torch's OpenMP threads keep spinning for a while
+    after its last parallel region, and on two cores they take one from the round after them (an
+    engine round right after transformers' ran 5-12% slower per step than one started 0.5 s later).
+    """
     for round_once in contenders.values():
         round_once()  # the first inference allocates
     rounds: dict[str, list[float]] = {label: [] for label in contenders}
     for repeat in range(repeats):
         order = list(contenders) if repeat % 2 == 0 else list(reversed(contenders))
         for label in order:
+            time.sleep(settle_s)
             rounds[label].append(contenders[label]())
     return rounds
 
