@@ -68,6 +68,11 @@ def compile_config(settings: EngineSettings, compute: str) -> dict[str, str]:
     return config
 
 
+def conv_widths(attention: AttentionShape, hidden: int) -> tuple[int, int, int, int]:
+    """Widths of a layer's short-convolution inputs k, v, o and m, as they lie side by side in its ring."""
+    return attention.kv_width, attention.kv_width, hidden, hidden
+
+
 def _power_of_two_scale(layer: LayerWeights) -> float:
     """Scale for the down projection so that f16 expert outputs stay far below f16's maximum.
 
@@ -129,9 +134,7 @@ class _Layer:
             self.attention.kind == "global" and shape.log_scaling_n_floor is not None
         )
         self.has_convs = shape.has_convs
-        h = shape.hidden_size
-        self.conv_widths = (self.attention.kv_width, self.attention.kv_width, h, h)  # k, v, o, m
-        self.conv_splits = list(np.cumsum(self.conv_widths)[:-1])
+        self.conv_splits = list(np.cumsum(conv_widths(self.attention, shape.hidden_size))[:-1])
         # Llama has no relative bias, so every cached key is read from the far blocks: no cached band
         self.has_cached_band = shape.family != "llama"
 
@@ -374,7 +377,9 @@ class StageEngine:
             else:
                 keys = RingRows(a.window - 1 + slack, row, dtype=kv)
                 values = RingRows(a.window - 1 + slack, row, dtype=kv)
-            convs = RingRows(kernel - 1 + slack, (sum(layer.conv_widths),)) if layer.has_convs else None
+            convs = None
+            if self.shape.has_convs:
+                convs = RingRows(kernel - 1 + slack, (sum(conv_widths(a, self.shape.hidden_size)),))
             layers.append(LayerState(keys, values, convs))
         self._streams[stream] = StreamState(layers, 0, slack)
 
