@@ -139,7 +139,7 @@ class _Layer:
         self.has_cached_band = shape.family != "llama"
 
     def run(
-        self, inputs: dict[str, np.ndarray], hist_m: np.ndarray | None, conv_index: np.ndarray
+        self, inputs: dict[str, np.ndarray | ov.Tensor], hist_m: np.ndarray | None, conv_index: np.ndarray
     ) -> dict[str, np.ndarray]:
         out = _infer(self.attention_request, inputs)
         if self.expert_request is None:
@@ -172,7 +172,7 @@ def _cached_inputs(name: str, stores: Sequence[Rows], positions: np.ndarray) -> 
     return inputs
 
 
-def _far_inputs(name: str, stores: Sequence[Rows], plan: KeyPlan) -> dict[str, np.ndarray]:
+def _far_inputs(name: str, stores: Sequence[Rows], plan: KeyPlan) -> dict[str, np.ndarray | ov.Tensor]:
     """Input `name` [S, N, Hkv, B, D]: the cache blocks holding each stream's far keys (and `{name}_params` for u8)."""
     caches = [store for store in stores if isinstance(store, GrowingRows)]
     assert len(caches) == len(stores), "far keys are read from global layers' block caches"
@@ -182,7 +182,7 @@ def _far_inputs(name: str, stores: Sequence[Rows], plan: KeyPlan) -> dict[str, n
     return inputs
 
 
-def _far_blocks(blocks: list[np.ndarray], plan: KeyPlan) -> np.ndarray:
+def _far_blocks(blocks: list[np.ndarray], plan: KeyPlan) -> np.ndarray | ov.Tensor:
     """Streams' leading blocks as one array: a view for one stream, else only blocks with far keys are copied."""
     if len(blocks) == 1 and blocks[0].shape[0] == plan.far_blocks:
         return blocks[0][None]
@@ -197,15 +197,16 @@ def _far_blocks(blocks: list[np.ndarray], plan: KeyPlan) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=8)
-def _no_far_keys(shape: tuple[int, ...], dtype: str) -> np.ndarray:
-    """Zero blocks for steps where no stream has far keys yet (every slot is masked); shared, read-only."""
-    zeros = np.zeros(shape, dtype=dtype)
-    zeros.flags.writeable = False
-    return zeros
+def _no_far_keys(shape: tuple[int, ...], dtype: str) -> ov.Tensor:
+    """Zero blocks for steps where no stream has far keys yet (every slot is masked), shared between steps.
+
+    Handed over as a tensor: OpenVINO copies a read-only array at every call, megabytes at 32 streams.
+    """
+    return ov.Tensor(np.zeros(shape, dtype=dtype), shared_memory=True)
 
 
 def _infer(
-    request: ov.InferRequest, inputs: dict[str, np.ndarray], outputs: list[str] | None = None
+    request: ov.InferRequest, inputs: dict[str, np.ndarray | ov.Tensor], outputs: list[str] | None = None
 ) -> dict[str, np.ndarray]:
     """Run `request` and copy out the named outputs (default: all of them)."""
     request.infer(inputs, share_inputs=True)
