@@ -85,7 +85,11 @@ def dequantised_oracle(model: InklingForCausalLM, weights: StageWeights, setting
             state[p + "mlp.experts.down_proj"] = torch.from_numpy(down[:e].copy())
             state[p + "mlp.shared_experts.gate_proj"] = torch.from_numpy(gate[e:].copy())
             state[p + "mlp.shared_experts.up_proj"] = torch.from_numpy(up[e:].copy())
-            state[p + "mlp.shared_experts.down_proj"] = torch.from_numpy(down[e:].copy())
+            shared_down = down[e:]
+            if settings.dense_ffn_path == "matmul":  # the shared experts' down projections quantised joined
+                joined = dequantize(quantize(join_input_columns(bank.down[e:]), settings.expert_weights))
+                shared_down = np.moveaxis(joined.reshape(joined.shape[0], len(shared_down), -1), 1, 0)
+            state[p + "mlp.shared_experts.down_proj"] = torch.from_numpy(np.ascontiguousarray(shared_down))
     missing = set(state) - set(model.state_dict())
     assert not missing, missing
     model.load_state_dict(state, strict=False)

@@ -166,10 +166,11 @@ def bank_outputs(weights, settings: EngineSettings, rows: int = 24) -> list[np.n
     shape = weights.shape
     rng = np.random.default_rng(5)
     x = rng.standard_normal((rows, shape.hidden_size)).astype(np.float32)
-    chosen = shape.num_experts_per_tok + shape.n_shared_experts
-    total = shape.n_routed_experts + shape.n_shared_experts
-    index = np.stack([rng.choice(total, chosen, replace=False) for _ in range(rows)]).astype(np.int32)
-    weight = rng.random((rows, chosen)).astype(np.float32)
+    e, s, top_k = shape.n_routed_experts, shape.n_shared_experts, shape.num_experts_per_tok
+    # as the router lays them out: each row's chosen routed experts, then the shared ones
+    routed = np.stack([rng.choice(e, top_k, replace=False) for _ in range(rows)])
+    index = np.concatenate([routed, np.tile(np.arange(e, e + s), (rows, 1))], axis=1).astype(np.int32)
+    weight = rng.random((rows, top_k + s)).astype(np.float32)
     outputs = []
     for layer in weights.layers:
         if shape.is_dense(layer.index):
@@ -181,20 +182,28 @@ def bank_outputs(weights, settings: EngineSettings, rows: int = 24) -> list[np.n
 
 
 @pytest.mark.parametrize("mode", ["f32", "bf16", "int4"])
-def test_dense_layer_as_plain_matmuls_equals_expert_slices(tiny, mode):
-    """The CPU's form of a dense MLP (its default) gives the slices' outputs and has no expert kernel."""
+def test_dense_slices_as_plain_matmuls_equal_the_expert_kernel(tiny, mode):
+    """The CPU's form of what every row runs (its default): a dense MLP, and a sparse layer's shared
+    experts beside its routed bank, as plain matmuls give the expert kernel's outputs."""
     shape = load_shape(tiny)
     assert shape.is_dense(0) and not shape.is_dense(1)
     weights = load_stage(tiny, 0, 2)
     ids = PROMPTS["long"]
-    outputs = {}
+    outputs, ops_by_form = {}, {}
     for form in ("experts", "matmul"):
         engine = StageEngine(weights, preset(mode, dense_ffn=form, expert_kernel="fused"))
-        if form == "matmul":
-            dense_ops, sparse_ops = engine.runtime_ops()
-            assert "GatherMatmul" not in dense_ops and sparse_ops.get("GatherMatmul", 0) == 3
-        outputs[form] = run_prompt(engine, ids)[0][0]
-    assert relative_rms(outputs["matmul"], outputs["experts"]) <= (1e-2 if mode == "bf16" else 1e-5)
+        ops_by_form[form] = engine.runtime_ops()
+        outputs[form] = run_prompt(engine, ids)[0]
+    dense_ops, sparse_ops = ops_by_form["matmul"]
+    assert "GatherMatmul" not in dense_ops and sparse_ops.get("GatherMatmul", 0) == 3
+    # the shared experts' stacked gate and up, and their joined down projection
+    sparse_slices = ops_by_form["experts"][1]
+    assert sparse_ops.get("FullyConnected", 0) == sparse_slices.get("FullyConnected", 0) + 2, (
+        sparse_ops,
+        sparse_slices,
+    )
+    for matmul, slices in zip(outputs["matmul"], outputs["experts"], strict=True):
+        assert relative_rms(matmul, slices) <= (1e-2 if mode == "bf16" else 1e-5)
 
 
 @pytest.mark.slow

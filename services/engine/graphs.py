@@ -439,6 +439,44 @@ def _bank_form(weight: Weight, fmt: WeightFormat, ffn: FfnForm) -> str:
     return ffn.experts if stored == "f32" else ffn.compressed_experts
 
 
+def _expert_bank(
+    x: Node,
+    index: Node,
+    weight: Node,
+    gate: Weight,
+    up: Weight,
+    down: Weight,
+    fmt: WeightFormat,
+    ffn: FfnForm,
+    i: int,
+    h: int,
+) -> Node:
+    """The experts `index` names for each row, weighted, in the form `ffn` gives the bank."""
+    if _bank_form(gate, fmt, ffn) == "grouped":
+        return _grouped_experts(x, index, weight, gate, up, down, fmt, f"l{i}.experts")
+    gate_node = weight_node(gate, fmt, f"l{i}.experts.gate")
+    up_node = weight_node(up, fmt, f"l{i}.experts.up")
+    down_node = weight_node(down, fmt, f"l{i}.experts.down")
+    return _fused_experts(x, index, weight, gate_node, up_node, down_node, gate.shape[0], h)
+
+
+def _all_active(
+    x: Node, gate: Weight, up: Weight, down: Weight, slice_weight: Node | None, fmt: WeightFormat, name: str
+) -> Node:
+    """Slices every row runs ([S, I, H] gate and up, [S, H, I] down) as plain matmuls over the joined slices.
+
+    With `slice_weight` [T, S], each slice's activations are scaled by its row's weight before the
+    joined down projection, which then sums the weighted slices.
+    """
+    gate_out, up_out = stacked_linear(x, [join_output_rows(gate), join_output_rows(up)], fmt, f"{name}.gate_up")
+    mixed = ops.multiply(swish(gate_out), up_out)  # [T, S * I], slice-major
+    if slice_weight is not None:
+        slices, width = gate.shape[0], gate.shape[1]
+        per_slice = ops.reshape(mixed, _i64(0, slices, width), True)
+        mixed = ops.reshape(ops.multiply(per_slice, ops.unsqueeze(slice_weight, _i64(2))), _i64(0, -1), True)
+    return linear(mixed, join_input_columns(down), fmt, f"{name}.down")
+
+
 def _expert_block(
     shape: ModelShape,
     layer: LayerWeights,
@@ -454,24 +492,28 @@ def _expert_block(
     """Experts, then (when `residual` is given) the MLP-output conv and the residual add.
 
     A dense layer's bank runs as all-active slices, or with `ffn.dense="matmul"` as three plain
-    matmuls over the joined slices (then `index` and `weight` are not read). Banks run in the form
-    `ffn.experts` names.
+    matmuls over the joined slices (then `index` and `weight` are not read). With `ffn.dense="matmul"`
+    a sparse layer's shared experts, the last columns of `index` as the router lays them out, run the
+    same way beside the routed bank. Banks run in the form `ffn.experts` names.
     """
     i, h = layer.index, shape.hidden_size
     bank = layer.experts
-    n = bank.gate.shape[0]
     down = bank.down if out_scale == 1.0 else as_float(bank.down) * np.float32(out_scale)
     if layer.router is None and ffn.dense == "matmul":
-        gate, up = stacked_linear(x, [join_output_rows(bank.gate), join_output_rows(bank.up)], fmt, f"l{i}.gate_up")
-        mixed = linear(ops.multiply(swish(gate), up), join_input_columns(down), fmt, f"l{i}.down")
+        mixed = _all_active(x, bank.gate, bank.up, down, None, fmt, f"l{i}")
         if layer.dense_scale != 1.0:
             mixed = ops.multiply(mixed, _f32(layer.dense_scale))
-    elif _bank_form(bank.gate, fmt, ffn) == "grouped":
-        mixed = _grouped_experts(x, index, weight, bank.gate, bank.up, down, fmt, f"l{i}.experts")
+    elif layer.router is not None and ffn.dense == "matmul" and isinstance(bank.gate, np.ndarray):
+        # the shared experts every row runs: plain matmuls beside the routed bank
+        e, top_k = shape.n_routed_experts, shape.num_experts_per_tok
+        routed_index = ops.slice(index, _i64(0), _i64(top_k), _i64(1), _i64(1))
+        routed_weight = ops.slice(weight, _i64(0), _i64(top_k), _i64(1), _i64(1))
+        shared_weight = ops.slice(weight, _i64(top_k), _i64(2**62), _i64(1), _i64(1))
+        routed = _expert_bank(x, routed_index, routed_weight, bank.gate[:e], bank.up[:e], down[:e], fmt, ffn, i, h)
+        shared = _all_active(x, bank.gate[e:], bank.up[e:], down[e:], shared_weight, fmt, f"l{i}.shared")
+        mixed = ops.add(routed, shared)
     else:
-        gate = weight_node(bank.gate, fmt, f"l{i}.experts.gate")
-        up = weight_node(bank.up, fmt, f"l{i}.experts.up")
-        mixed = _fused_experts(x, index, weight, gate, up, weight_node(down, fmt, f"l{i}.experts.down"), n, h)
+        mixed = _expert_bank(x, index, weight, bank.gate, bank.up, down, fmt, ffn, i, h)
     if residual is None:
         return [], [_named(mixed, "expert_out")]
     if layer.mlp_conv is None:  # Llama-family: the FFN output joins the residual directly

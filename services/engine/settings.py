@@ -58,8 +58,9 @@ class EngineSettings:
     # the CPU plugin can quantise activations to int8 in groups for compressed-weight matmuls;
     # 0 keeps them in the compute precision (exact to the dequantised weights)
     activation_quant_group: int = 0
-    # dense FFNs: "experts" runs them as all-active slices through the fused expert kernel (one path
-    # for sparse and dense layers), "matmul" as three plain matmuls; "auto" picks per device
+    # what every row runs (dense FFNs, and sparse layers' shared experts): "experts" runs it as
+    # all-active slices through the expert kernel (one path for sparse and dense layers), "matmul" as
+    # plain matmuls over the joined slices beside the routed bank; "auto" picks per device
     dense_ffn: DenseFfn = "auto"
     # expert banks: "fused" emits the form OpenVINO fuses into its MoE kernel, "grouped" one matmul
     # per expert over the rows that chose it; "auto" picks per device
@@ -98,11 +99,14 @@ class EngineSettings:
 
     @property
     def dense_ffn_path(self) -> Literal["experts", "matmul"]:
-        """The dense FFN form this device runs.
+        """The form this device runs dense FFNs and shared experts in.
 
         The iGPU's fused expert kernel ran the slices faster than its plain matmuls; the CPU's
         GatherMatmul is built for sparse selection and runs every slice of every row as its own gemv
-        (3.1x the plain matmuls at 8 rows here, docs/benchmarks.md "Fused expert path").
+        (3.1x the plain matmuls at 8 rows here, docs/benchmarks.md "Fused expert path"). A sparse
+        layer's shared experts are such slices too: on the CPU they run as two plain matmuls (their
+        stacked gate and up, their joined down projection, each row's routing weights between them),
+        which read the weights at the plain matmuls' rate even at one row.
         """
         if self.dense_ffn != "auto":
             return self.dense_ffn
