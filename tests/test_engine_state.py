@@ -101,6 +101,36 @@ def test_a_batch_of_streams_at_different_positions_equals_each_stream_alone(engi
         engine.close(name)
 
 
+def test_streams_opened_and_closed_around_a_stream_leave_its_rows_and_theirs_alone(engine):
+    """A stage keeps every stream's rings in one pool per layer: opening streams grows the pools (every
+    ring moves) and a closed stream's slot goes to the next one opened. Neither may change a living
+    stream's rows, and a stream in a reused slot starts as clean as one in a new slot."""
+    ids = np.resize(IDS, 150)  # past the sliding window and the rewind slack: the rings wrap around
+    engine.open("alone")
+    expected = feed(engine, "alone", ids, 10)
+    engine.close("alone")
+    engine.open("kept")
+    got, others, opened = [], [], 0
+    short = IDS[::-1][:7]
+    for start in range(0, len(ids), 10):
+        got.append(engine.step([Segment("kept", start, 10)], ids[start : start + 10]).logits)
+        for _ in range(3):
+            name = f"other-{opened}"
+            opened += 1
+            engine.open(name)
+            others.append((name, feed(engine, name, short, 3)))
+        for name, _ in others[::2]:  # half of them close, so later ones take their slots
+            engine.close(name)
+        others = others[1::2]
+        if start == 0:
+            first_other = others[0][1]
+    np.testing.assert_allclose(np.concatenate(got), expected, rtol=0, atol=2e-5 * np.abs(expected).max())
+    for name, logits in others:
+        np.testing.assert_allclose(logits, first_other, rtol=0, atol=2e-5 * np.abs(first_other).max())
+        engine.close(name)
+    engine.close("kept")
+
+
 def test_context_budget_is_a_clear_error_and_leaves_the_stream_usable(tiny):
     engine = StageEngine(load_stage(tiny, 0, load_shape(tiny).num_layers), EngineSettings(context=32))
     engine.open("s")
@@ -207,11 +237,17 @@ def test_u8_kv_attends_exactly_over_its_dequantised_rows_in_about_a_quarter_of_t
     ids = np.array([1, *range(30, 230)])  # past the sliding window, the relative extent and a cache block
     u8.open("u8-kv")
     engine.open("rounded")
-    for layer in engine._stream("rounded").layers:
-        for store in (layer.keys, layer.values):
-            write = store.write
-            store.write = lambda positions, rows, write=write: write(positions, dequantize(*quantize(rows)))
-    rounded = feed(engine, "rounded", ids, 16)
+    # sliding layers' rows are written through their stage-wide ring pools, global layers' per stream
+    targets = {id(t): t for layer in engine._stream("rounded").layers for t in (layer.keys, layer.values)}
+    targets = {id(t): t for t in (getattr(store, "pool", store) for store in targets.values())}
+    for target in targets.values():
+        write = target.write
+        target.write = lambda *where, write=write: write(*where[:-1], dequantize(*quantize(where[-1])))
+    try:
+        rounded = feed(engine, "rounded", ids, 16)
+    finally:
+        for target in targets.values():
+            del target.write
     ours = feed(u8, "u8-kv", ids, 16)
     rel = np.sqrt(np.mean((ours - rounded) ** 2)) / np.sqrt(np.mean(rounded**2))
     assert rel <= 1e-5, rel

@@ -26,9 +26,12 @@ from cascadia.engine.state import (
     BudgetExceeded,
     GrowingRows,
     HistorySlots,
+    LayerRings,
     LayerState,
+    RingPool,
     RingRows,
     Rows,
+    StreamSlots,
     StreamState,
     conv_histories,
     history_slots,
@@ -170,6 +173,32 @@ def _cached_inputs(name: str, stores: Sequence[Rows], positions: np.ndarray) -> 
     if stores[0].params is not None:
         inputs[f"{name}_params"] = _stacked([store.read_params(positions[b]) for b, store in enumerate(stores)])
     return inputs
+
+
+def _pooled_inputs(name: str, pool: RingPool, streams: np.ndarray, positions: np.ndarray) -> dict[str, np.ndarray]:
+    """Input `name` [S, L, Hkv, D] from a ring pool, in one gather (and `{name}_params` for u8)."""
+    inputs = {name: pool.read(streams, positions)}
+    if pool.params is not None:
+        inputs[f"{name}_params"] = pool.read_params(streams, positions)
+    return inputs
+
+
+@dataclass(frozen=True)
+class _StepRings:
+    """Where a step's rows lie in the stage's ring pools, worked out once per step."""
+
+    streams: np.ndarray  # [S] each segment's stream slot
+    row_slots: np.ndarray  # [T] each row's stream slot
+    row_ends: np.ndarray  # [T] the position after each row's segment
+    history: HistorySlots | None  # where the conv histories lie (stages with convolutions)
+
+    def write(self, pool: RingPool, positions: np.ndarray, rows: np.ndarray) -> None:
+        """Every row into its stream's ring; of a segment longer than the ring, only its last `capacity` rows."""
+        kept = positions >= self.row_ends - pool.capacity
+        if kept.all():
+            pool.write(self.row_slots, positions, rows)
+        else:
+            pool.write(self.row_slots[kept], positions[kept], rows[kept])
 
 
 def _far_inputs(name: str, stores: Sequence[Rows], plan: KeyPlan) -> dict[str, np.ndarray | ov.Tensor]:
@@ -332,6 +361,20 @@ class StageEngine:
         self._global_band = 0 if self.shape.family == "llama" else max(extents, default=1) - 1
         self._has_global = any(w is None for w in self._windows)
         self._streams: dict[Hashable, StreamState] = {}
+        self._rings = [] if self._pool is not None else [self._layer_rings(layer.attention) for layer in self._layers]
+        self._ring_slots = StreamSlots([pool for rings in self._rings for pool in rings.pools])
+
+    def _layer_rings(self, attention: AttentionShape) -> LayerRings:
+        slack, kv = self.settings.rewind_slack, STORAGE[self.settings.kv_precision]
+        keys = values = convs = None
+        if attention.window is not None:
+            row = (attention.num_kv_heads, attention.head_dim)
+            keys = RingPool(attention.window - 1 + slack, row, dtype=kv)
+            values = RingPool(attention.window - 1 + slack, row, dtype=kv)
+        if self.shape.has_convs:
+            width = sum(conv_widths(attention, self.shape.hidden_size))
+            convs = RingPool(self.shape.conv_kernel_size - 1 + slack, (width,))
+        return LayerRings(keys, values, convs)
 
     def runtime_ops(self) -> list[dict[str, int]]:
         """Per compiled layer (or for the whole stage when it is one model), the plugin's executed op types.
@@ -363,26 +406,25 @@ class StageEngine:
             raise BudgetExceeded(
                 f"stream {stream!r}: context {context} exceeds this engine's budget of {self.settings.context}"
             )
-        slack, kernel = self.settings.rewind_slack, self.shape.conv_kernel_size
+        slack = self.settings.rewind_slack
         if self._pool is not None:
             self._streams[stream] = StreamState([], 0, slack, context=context)
             return
         kv = STORAGE[self.settings.kv_precision]
+        slot = self._ring_slots.take()
         layers = []
-        for layer in self._layers:
+        for layer, rings in zip(self._layers, self._rings, strict=True):
             a = layer.attention
-            row = (a.num_kv_heads, a.head_dim)
-            if a.window is None:
-                keys: RingRows | GrowingRows = GrowingRows(context, row, dtype=kv)
-                values: RingRows | GrowingRows = GrowingRows(context, row, dtype=kv)
+            keys: RingRows | GrowingRows
+            values: RingRows | GrowingRows
+            if rings.keys is None or rings.values is None:
+                keys = GrowingRows(context, (a.num_kv_heads, a.head_dim), dtype=kv)
+                values = GrowingRows(context, (a.num_kv_heads, a.head_dim), dtype=kv)
             else:
-                keys = RingRows(a.window - 1 + slack, row, dtype=kv)
-                values = RingRows(a.window - 1 + slack, row, dtype=kv)
-            convs = None
-            if self.shape.has_convs:
-                convs = RingRows(kernel - 1 + slack, (sum(conv_widths(a, self.shape.hidden_size)),))
+                keys, values = RingRows(rings.keys, slot), RingRows(rings.values, slot)
+            convs = None if rings.convs is None else RingRows(rings.convs, slot)
             layers.append(LayerState(keys, values, convs))
-        self._streams[stream] = StreamState(layers, 0, slack)
+        self._streams[stream] = StreamState(layers, 0, slack, ring_slot=slot)
 
     def close(self, stream: Hashable) -> None:
         state = self._streams.pop(stream, None)
@@ -390,6 +432,8 @@ class StageEngine:
             raise StreamError(f"stream {stream!r} is not open")
         if self._pool is not None:
             self._pool.release(state.blocks)
+        if state.ring_slot >= 0:
+            self._ring_slots.give_back(state.ring_slot)
 
     def rewind(self, stream: Hashable, position: int) -> None:
         self._stream(stream).rewind(position)
@@ -487,14 +531,9 @@ class StageEngine:
         elif self._stage_request is not None:
             hidden = self._run_stage(plan, states, hidden, trace)
         else:
-            slots = None
-            if self.shape.has_convs:
-                rings = states[0].layers[0].convs  # every conv ring of a stage has one capacity
-                assert rings is not None
-                starts = [seg.start for seg in segments]
-                slots = history_slots(starts, self.shape.conv_kernel_size, rings.capacity)
+            rings = self._step_rings(plan, states)
             for li, layer in enumerate(self._layers):
-                hidden = self._run_layer(li, layer, plan, states, hidden, slots)
+                hidden = self._run_layer(li, layer, plan, states, hidden, rings)
                 if trace is not None:
                     trace.append(hidden)
         for seg, state in zip(segments, states, strict=True):
@@ -595,6 +634,16 @@ class StageEngine:
             trace.extend(out[f"layer_out_{li}"] for li in range(len(self._layers)))
         return out["hidden_out"]
 
+    def _step_rings(self, plan: StepPlan, states: list[StreamState]) -> _StepRings:
+        streams = np.array([state.ring_slot for state in states], dtype=np.int64)
+        ends = np.array([seg.start + seg.length for seg in plan.segments], dtype=np.int64)
+        history = None
+        if self.shape.has_convs:
+            convs = self._rings[0].convs  # every conv ring of a stage has one capacity
+            assert convs is not None
+            history = history_slots([seg.start for seg in plan.segments], self.shape.conv_kernel_size, convs.capacity)
+        return _StepRings(streams, streams[plan.row_stream], ends[plan.row_stream], history)
+
     def _run_layer(
         self,
         li: int,
@@ -602,30 +651,33 @@ class StageEngine:
         plan: StepPlan,
         states: list[StreamState],
         hidden: np.ndarray,
-        slots: HistorySlots | None,
+        step_rings: _StepRings,
     ) -> np.ndarray:
         keys_plan = plan.keys[layer.attention.window]
-        segs = plan.segments
-
+        rings = self._rings[li]
         past = keys_plan.past_positions
         keys, values = [st.layers[li].keys for st in states], [st.layers[li].values for st in states]
-        inputs = {
+        inputs: dict[str, np.ndarray | ov.Tensor] = {
             "hidden": hidden,
             "cell_rows": plan.cell_rows,
             "row_cells": plan.row_cells,
             "key_mask": keys_plan.key_mask,
         }
         if layer.has_cached_band:
-            inputs.update(_cached_inputs("past_k", keys, past))
-            inputs.update(_cached_inputs("past_v", values, past))
+            if rings.keys is not None and rings.values is not None:
+                inputs.update(_pooled_inputs("past_k", rings.keys, step_rings.streams, past))
+                inputs.update(_pooled_inputs("past_v", rings.values, step_rings.streams, past))
+            else:
+                inputs.update(_cached_inputs("past_k", keys, past))
+                inputs.update(_cached_inputs("past_v", values, past))
         if keys_plan.far_mask is not None:
             inputs["far_mask"] = keys_plan.far_mask
             inputs.update(_far_inputs("far_k", keys, keys_plan))
             inputs.update(_far_inputs("far_v", values, keys_plan))
         hist_m = None
         if layer.has_convs:
-            assert slots is not None, "histories are read only on stages with convolutions"
-            joint = conv_histories([st.layers[li].convs for st in states], slots)
+            assert rings.convs is not None and step_rings.history is not None, "a layer with convolutions has rings"
+            joint = conv_histories(rings.convs, step_rings.streams, step_rings.history)
             hist_k, hist_v, hist_o, hist_m = (np.ascontiguousarray(h) for h in np.split(joint, layer.conv_splits, 1))
             inputs.update(
                 conv_hist_k=hist_k,
@@ -639,16 +691,18 @@ class StageEngine:
         if layer.needs_query_position:
             inputs["query_position"] = plan.row_position.astype(np.float32)
         out = layer.run(inputs, hist_m, plan.conv_index)
-        conv_inputs = np.concatenate([out[name] for name in CONV_INPUTS], 1) if layer.has_convs else None
-        for b, (seg, st) in enumerate(zip(segs, states, strict=True)):
-            first = int(plan.row_offset[b])
-            rows = slice(first, first + seg.length)
-            positions = plan.row_position[rows]
-            ls = st.layers[li]
-            self._write(ls.keys, positions, out["new_k"][rows])
-            self._write(ls.values, positions, out["new_v"][rows])
-            if conv_inputs is not None:
-                self._write(ls.convs, positions, conv_inputs[rows])
+        if rings.convs is not None:
+            conv_inputs = np.concatenate([out[name] for name in CONV_INPUTS], 1)
+            step_rings.write(rings.convs, plan.row_position, conv_inputs)
+        if rings.keys is not None and rings.values is not None:
+            step_rings.write(rings.keys, plan.row_position, out["new_k"])
+            step_rings.write(rings.values, plan.row_position, out["new_v"])
+        else:
+            for b, (seg, st) in enumerate(zip(plan.segments, states, strict=True)):
+                first = int(plan.row_offset[b])
+                rows = slice(first, first + seg.length)
+                self._write(st.layers[li].keys, plan.row_position[rows], out["new_k"][rows])
+                self._write(st.layers[li].values, plan.row_position[rows], out["new_v"][rows])
         return out["hidden_out"]
 
     @staticmethod

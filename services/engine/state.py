@@ -23,31 +23,123 @@ def _params_for(data: np.ndarray) -> np.ndarray | None:
     return np.zeros((*data.shape[:-1], PARAMS), dtype=np.float32) if data.dtype == np.uint8 else None
 
 
-class RingRows:
-    """The last `capacity` rows of a sequence, addressed by absolute position."""
+class RingPool:
+    """One layer's ring of every open stream, in one array [slots, capacity, *row]; a stream owns a slot.
+
+    A step reads and writes all its streams' rows with one indexing call per pool instead of one per
+    stream: at 32 streams the per-stream calls were most of the host's share of a decode step.
+    """
 
     def __init__(self, capacity: int, row_shape: tuple[int, ...], dtype: str = "float32") -> None:
         self.capacity = capacity
-        self.data = np.zeros((capacity, *row_shape), dtype=dtype)
+        self.data = np.zeros((0, capacity, *row_shape), dtype=dtype)
         self.params = _params_for(self.data)
 
-    def write(self, positions: np.ndarray, rows: np.ndarray) -> None:
-        slots = positions % self.capacity
+    @property
+    def slots(self) -> int:
+        return self.data.shape[0]
+
+    def reserve(self, slots: int) -> None:
+        """Hold at least `slots` streams; grows by doublings, so streams opened one by one copy little."""
+        if slots <= self.slots:
+            return
+        count = max(slots, 2 * self.slots)
+        self.data = _grown_to(self.data, count)
+        if self.params is not None:
+            self.params = _grown_to(self.params, count)
+
+    def clear(self, slot: int) -> None:
+        self.data[slot] = 0
+        if self.params is not None:
+            self.params[slot] = 0
+
+    def write(self, slots: np.ndarray, positions: np.ndarray, rows: np.ndarray) -> None:
+        """Row i goes to stream slot `slots[i]` at `positions[i]` (at most `capacity` rows per slot)."""
+        index = (slots, positions % self.capacity)
         if self.params is None:
-            self.data[slots] = rows
+            self.data[index] = rows
         else:
-            self.data[slots], self.params[slots] = quantize(rows)
+            self.data[index], self.params[index] = quantize(rows)
+
+    def read(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Rows [S, L, *row]: stream slot `slots[b]` at `positions[b]` [S, L]."""
+        return self.data[slots[:, None], positions % self.capacity]
+
+    def read_params(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        assert self.params is not None, "only u8 rows have params"
+        return self.params[slots[:, None], positions % self.capacity]
+
+
+def _grown_to(array: np.ndarray, count: int) -> np.ndarray:
+    grown = np.zeros((count, *array.shape[1:]), dtype=array.dtype)
+    grown[: array.shape[0]] = array
+    return grown
+
+
+class RingRows:
+    """The last `capacity` rows of one stream's sequence, addressed by absolute position: a slot of a pool."""
+
+    def __init__(self, pool: RingPool, slot: int) -> None:
+        self.pool = pool
+        self.slot = slot
+
+    @classmethod
+    def alone(cls, capacity: int, row_shape: tuple[int, ...], dtype: str = "float32") -> RingRows:
+        pool = RingPool(capacity, row_shape, dtype)
+        pool.reserve(1)
+        return cls(pool, 0)
+
+    @property
+    def capacity(self) -> int:
+        return self.pool.capacity
+
+    @property
+    def data(self) -> np.ndarray:
+        return self.pool.data[self.slot]
+
+    @property
+    def params(self) -> np.ndarray | None:
+        return None if self.pool.params is None else self.pool.params[self.slot]
+
+    def write(self, positions: np.ndarray, rows: np.ndarray) -> None:
+        positions = np.asarray(positions)
+        self.pool.write(np.full(len(positions), self.slot), positions, rows)
 
     def read(self, positions: np.ndarray) -> np.ndarray:
         return self.data[positions % self.capacity]
 
     def read_params(self, positions: np.ndarray) -> np.ndarray:
-        assert self.params is not None, "only u8 rows have params"
-        return self.params[positions % self.capacity]
+        params = self.params
+        assert params is not None, "only u8 rows have params"
+        return params[positions % self.capacity]
 
     @property
     def nbytes(self) -> int:
-        return self.data.nbytes + (0 if self.params is None else self.params.nbytes)
+        params = self.params
+        return self.data.nbytes + (0 if params is None else params.nbytes)
+
+
+class StreamSlots:
+    """Slots in a stage's ring pools, handed to streams as they open and taken back as they close."""
+
+    def __init__(self, pools: list[RingPool]) -> None:
+        self._pools = pools
+        self._free: list[int] = []
+        self._count = 0
+
+    def take(self) -> int:
+        if self._free:
+            slot = self._free.pop()
+        else:
+            slot, self._count = self._count, self._count + 1
+            for pool in self._pools:
+                pool.reserve(self._count)
+        for pool in self._pools:  # a reused slot still holds its last stream's rows
+            pool.clear(slot)
+        return slot
+
+    def give_back(self, slot: int) -> None:
+        self._free.append(slot)
 
 
 KV_BLOCK = 128  # positions per block of a global layer's cache
@@ -159,13 +251,13 @@ Rows = RingRows | GrowingRows
 class HistorySlots:
     """Where a step's short-convolution histories lie in the streams' rings.
 
-    Stream b's inputs at positions start-K+1 .. start-1, oldest first, are rows `slots[b]` of each of
-    its convolution rings (all rings of a stage have one capacity); `before_start` marks the rows of
-    the concatenated histories that precede a stream's first position, which read as zeros (None
-    when no stream is that young). Worked out once per step, not per layer and convolution.
+    Stream b's inputs at positions start-K+1 .. start-1, oldest first, are rows `slots[b]` [S, K-1]
+    of its convolution ring (all conv rings of a stage have one capacity); `before_start` marks the
+    rows of the concatenated histories that precede a stream's first position, which read as zeros
+    (None when no stream is that young). Worked out once per step, not per layer.
     """
 
-    slots: list[np.ndarray]
+    slots: np.ndarray
     before_start: np.ndarray | None
 
 
@@ -173,15 +265,29 @@ def history_slots(starts: list[int], kernel: int, capacity: int) -> HistorySlots
     positions = np.asarray(starts)[:, None] + np.arange(1 - kernel, 0)
     slots = np.maximum(positions, 0) % capacity
     young = positions < 0
-    return HistorySlots(list(slots), young.reshape(-1) if young.any() else None)
+    return HistorySlots(slots, young.reshape(-1) if young.any() else None)
 
 
-def conv_histories(rings: list[RingRows], where: HistorySlots) -> np.ndarray:
-    """The histories in `rings` of every stream, concatenated [S * (K - 1), width]."""
-    rows = np.concatenate([ring.data[slots] for ring, slots in zip(rings, where.slots, strict=True)])
+def conv_histories(pool: RingPool, streams: np.ndarray, where: HistorySlots) -> np.ndarray:
+    """The histories of the streams in pool slots `streams`, concatenated [S * (K - 1), width]."""
+    rows = pool.data[streams[:, None], where.slots].reshape(-1, pool.data.shape[-1])
     if where.before_start is not None:
         rows[where.before_start] = 0.0
     return rows
+
+
+@dataclass(frozen=True)
+class LayerRings:
+    """A layer's ring pools: sliding keys and values (None on global layers, whose caches grow per
+    stream) and the short-convolution inputs (None without convolutions)."""
+
+    keys: RingPool | None
+    values: RingPool | None
+    convs: RingPool | None
+
+    @property
+    def pools(self) -> list[RingPool]:
+        return [pool for pool in (self.keys, self.values, self.convs) if pool is not None]
 
 
 @dataclass
@@ -205,6 +311,7 @@ class StreamState:
     # paged stages keep no per-layer rows here: the stream's blocks in the stage's pool, and its budget
     blocks: list[int] = field(default_factory=list)
     context: int = 0
+    ring_slot: int = -1  # the stream's slot in its stage's ring pools (-1: a stage without rings)
 
     @property
     def nbytes(self) -> int:
