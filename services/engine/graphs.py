@@ -72,8 +72,9 @@ def cached_rows(name: str, shape: list[int], kv_type: str) -> tuple[list[ov.Node
     return [codes, params], ops.add(ops.multiply(ops.convert(codes, "f32"), scale), offset)
 
 
-def _named(node: Node, name: str) -> Node:
-    node.output(0).get_tensor().set_names({name})
+def _named(node: Node | ov.Output, name: str) -> Node | ov.Output:
+    output = node if isinstance(node, ov.Output) else node.output(0)
+    output.get_tensor().set_names({name})
     return node
 
 
@@ -281,10 +282,10 @@ def attention_graph(
         params += far_params
 
     x = rms_norm(hidden, w.input_norm, eps)
-    q = linear(x, w.q_proj, attention_fmt, f"l{i}.q")
-    k_in = _named(linear(x, w.k_proj, attention_fmt, f"l{i}.k"), "k_conv_in")
-    v_in = _named(linear(x, w.v_proj, attention_fmt, f"l{i}.v"), "v_conv_in")
-    r = linear(x, w.r_proj, attention_fmt, f"l{i}.r")
+    # one matmul for the four projections of the normed input: at one row each matmul is a thread hand-off
+    projections = [w.q_proj, w.k_proj, w.v_proj, w.r_proj]
+    q, k_out, v_out, r = stacked_linear(x, projections, attention_fmt, f"l{i}.qkvr")
+    k_in, v_in = _named(k_out, "k_conv_in"), _named(v_out, "v_conv_in")
 
     q = rms_norm(ops.reshape(q, _i64(-1, a.num_heads, d), False), w.q_norm, eps)  # [T, Hq, D]
     keys_new = ops.reshape(short_conv(k_in, hist_k, conv_index, w.k_conv), _i64(-1, a.num_kv_heads, d), False)
