@@ -131,6 +131,40 @@ def test_streams_opened_and_closed_around_a_stream_leave_its_rows_and_theirs_alo
     engine.close("kept")
 
 
+def test_ring_pools_give_back_a_burst_of_streams_once_it_is_over(tiny):
+    """After many streams close, the pools shrink to the slots still in use; a stream left in a low
+    slot keeps its rows, and one opened and closed at the edge does not make the pools grow again."""
+    engine = StageEngine(load_stage(tiny, 0, load_shape(tiny).num_layers), EngineSettings(context=256))
+
+    def pool_bytes() -> int:
+        return sum(pool.data.nbytes for rings in engine._rings for pool in rings.pools)
+
+    ids = np.resize(IDS, 40)
+    engine.open("alone")
+    expected = feed(engine, "alone", ids, 8)
+    engine.close("alone")
+    assert pool_bytes() == 0
+
+    engine.open("kept")
+    got = [engine.step([Segment("kept", 0, 20)], ids[:20]).logits]
+    one_slot = pool_bytes()
+    burst = [f"burst-{n}" for n in range(15)]
+    for name in burst:
+        engine.open(name)
+        feed(engine, name, IDS[:5], 5)
+    assert pool_bytes() == 16 * one_slot
+    for name in burst:
+        engine.close(name)
+    assert pool_bytes() == one_slot
+    engine.open("edge")
+    grown = pool_bytes()
+    engine.close("edge")
+    assert pool_bytes() == grown == 2 * one_slot
+    got.append(engine.step([Segment("kept", 20, 20)], ids[20:]).logits)
+    np.testing.assert_allclose(np.concatenate(got), expected, rtol=0, atol=2e-5 * np.abs(expected).max())
+    engine.close("kept")
+
+
 def test_context_budget_is_a_clear_error_and_leaves_the_stream_usable(tiny):
     engine = StageEngine(load_stage(tiny, 0, load_shape(tiny).num_layers), EngineSettings(context=32))
     engine.open("s")

@@ -7,6 +7,7 @@ last K - 1 + slack inputs of its four short convolutions. The slack is how far a
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,6 +48,12 @@ class RingPool:
         self.data = _grown_to(self.data, count)
         if self.params is not None:
             self.params = _grown_to(self.params, count)
+
+    def shrink(self, slots: int) -> None:
+        """Keep only the first `slots` streams' rows (in arrays of their own, so the rest is freed)."""
+        self.data = self.data[:slots].copy()
+        if self.params is not None:
+            self.params = self.params[:slots].copy()
 
     def clear(self, slot: int) -> None:
         self.data[slot] = 0
@@ -120,16 +127,20 @@ class RingRows:
 
 
 class StreamSlots:
-    """Slots in a stage's ring pools, handed to streams as they open and taken back as they close."""
+    """Slots in a stage's ring pools, handed to streams as they open and taken back as they close.
+
+    The lowest free slot is handed out first, so that after a burst of streams the high slots fall
+    free together: once the used slots fit in a quarter of the pools, the pools shrink to them.
+    """
 
     def __init__(self, pools: list[RingPool]) -> None:
         self._pools = pools
-        self._free: list[int] = []
+        self._free: list[int] = []  # a heap
         self._count = 0
 
     def take(self) -> int:
         if self._free:
-            slot = self._free.pop()
+            slot = heapq.heappop(self._free)
         else:
             slot, self._count = self._count, self._count + 1
             for pool in self._pools:
@@ -139,7 +150,20 @@ class StreamSlots:
         return slot
 
     def give_back(self, slot: int) -> None:
-        self._free.append(slot)
+        heapq.heappush(self._free, slot)
+        free = set(self._free)
+        used = self._count
+        while used and used - 1 in free:
+            used -= 1
+        held = max((pool.slots for pool in self._pools), default=0)
+        # a quarter, not a half: the pools grow by doublings, so a stream opening and closing at the
+        # edge must not make them grow and shrink in turn
+        if used <= held // 4:
+            self._free = [s for s in self._free if s < used]
+            heapq.heapify(self._free)
+            self._count = used
+            for pool in self._pools:
+                pool.shrink(used)
 
 
 KV_BLOCK = 128  # positions per block of a global layer's cache
