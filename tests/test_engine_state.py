@@ -272,15 +272,15 @@ def test_u8_kv_attends_exactly_over_its_dequantised_rows_in_about_a_quarter_of_t
     u8.open("u8-kv")
     engine.open("rounded")
     # sliding layers' rows are written through their stage-wide ring pools, global layers' per stream
-    targets = {id(t): t for layer in engine._stream("rounded").layers for t in (layer.keys, layer.values)}
-    targets = {id(t): t for t in (getattr(store, "pool", store) for store in targets.values())}
-    for target in targets.values():
+    stores = [store for layer in engine._stream("rounded").layers for store in (layer.keys, layer.values)]
+    targets = list({id(target): target for target in (getattr(s, "pool", s) for s in stores)}.values())
+    for target in targets:
         write = target.write
         target.write = lambda *where, write=write: write(*where[:-1], dequantize(*quantize(where[-1])))
     try:
         rounded = feed(engine, "rounded", ids, 16)
     finally:
-        for target in targets.values():
+        for target in targets:
             del target.write
     ours = feed(u8, "u8-kv", ids, 16)
     rel = np.sqrt(np.mean((ours - rounded) ** 2)) / np.sqrt(np.mean(rounded**2))

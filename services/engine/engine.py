@@ -167,12 +167,20 @@ def _stacked(rows: list[np.ndarray]) -> np.ndarray:
     return rows[0][None] if len(rows) == 1 else np.stack(rows)
 
 
-def _cached_inputs(name: str, stores: Sequence[Rows], positions: np.ndarray) -> dict[str, np.ndarray]:
-    """Input `name` [S, L, Hkv, D]: each stream's cached rows at its positions (and `{name}_params` for u8)."""
+def _cached_inputs(name: str, stores: Sequence[GrowingRows], positions: np.ndarray) -> dict[str, np.ndarray]:
+    """Input `name` [S, L, Hkv, D]: each stream's cached rows of a global layer at its positions (and
+    `{name}_params` for u8); sliding layers' rows come from their ring pools (`_pooled_inputs`)."""
     inputs = {name: _stacked([store.read(positions[b]) for b, store in enumerate(stores)])}
     if stores[0].params is not None:
         inputs[f"{name}_params"] = _stacked([store.read_params(positions[b]) for b, store in enumerate(stores)])
     return inputs
+
+
+def _growing(stores: Sequence[Rows]) -> list[GrowingRows]:
+    """A global layer's stores, as the block caches they are."""
+    caches = [store for store in stores if isinstance(store, GrowingRows)]
+    assert len(caches) == len(stores), "global layers keep block caches, sliding ones rings"
+    return caches
 
 
 def _pooled_inputs(name: str, pool: RingPool, streams: np.ndarray, positions: np.ndarray) -> dict[str, np.ndarray]:
@@ -201,10 +209,8 @@ class _StepRings:
             pool.write(self.row_slots[kept], positions[kept], rows[kept])
 
 
-def _far_inputs(name: str, stores: Sequence[Rows], plan: KeyPlan) -> dict[str, np.ndarray | ov.Tensor]:
+def _far_inputs(name: str, caches: Sequence[GrowingRows], plan: KeyPlan) -> dict[str, np.ndarray | ov.Tensor]:
     """Input `name` [S, N, Hkv, B, D]: the cache blocks holding each stream's far keys (and `{name}_params` for u8)."""
-    caches = [store for store in stores if isinstance(store, GrowingRows)]
-    assert len(caches) == len(stores), "far keys are read from global layers' block caches"
     inputs = {name: _far_blocks([c.blocks(plan.far_blocks) for c in caches], plan)}
     if caches[0].params is not None:
         inputs[f"{name}_params"] = _far_blocks([c.block_params(plan.far_blocks) for c in caches], plan)
@@ -615,7 +621,8 @@ class StageEngine:
             "query_position": plan.row_position.astype(np.float32),
         }
         for li in range(len(self._layers)):
-            keys, values = [st.layers[li].keys for st in states], [st.layers[li].values for st in states]
+            keys = _growing([st.layers[li].keys for st in states])
+            values = _growing([st.layers[li].values for st in states])
             inputs.update(_far_inputs(f"far_k_{li}", keys, keys_plan))
             inputs.update(_far_inputs(f"far_v_{li}", values, keys_plan))
         layers = range(len(self._layers))
@@ -656,7 +663,10 @@ class StageEngine:
         keys_plan = plan.keys[layer.attention.window]
         rings = self._rings[li]
         past = keys_plan.past_positions
-        keys, values = [st.layers[li].keys for st in states], [st.layers[li].values for st in states]
+        # a global layer's caches grow per stream; a sliding layer's rows are in its ring pools
+        pooled = rings.keys is not None and rings.values is not None
+        keys = [] if pooled else _growing([st.layers[li].keys for st in states])
+        values = [] if pooled else _growing([st.layers[li].values for st in states])
         inputs: dict[str, np.ndarray | ov.Tensor] = {
             "hidden": hidden,
             "cell_rows": plan.cell_rows,
@@ -698,11 +708,11 @@ class StageEngine:
             step_rings.write(rings.keys, plan.row_position, out["new_k"])
             step_rings.write(rings.values, plan.row_position, out["new_v"])
         else:
-            for b, (seg, st) in enumerate(zip(plan.segments, states, strict=True)):
+            for b, (seg, stream_keys, stream_values) in enumerate(zip(plan.segments, keys, values, strict=True)):
                 first = int(plan.row_offset[b])
                 rows = slice(first, first + seg.length)
-                self._write(st.layers[li].keys, plan.row_position[rows], out["new_k"][rows])
-                self._write(st.layers[li].values, plan.row_position[rows], out["new_v"][rows])
+                self._write(stream_keys, plan.row_position[rows], out["new_k"][rows])
+                self._write(stream_values, plan.row_position[rows], out["new_v"][rows])
         return out["hidden_out"]
 
     @staticmethod

@@ -84,17 +84,12 @@ def _grown_to(array: np.ndarray, count: int) -> np.ndarray:
 
 
 class RingRows:
-    """The last `capacity` rows of one stream's sequence, addressed by absolute position: a slot of a pool."""
+    """The last `capacity` rows of one stream's sequence, addressed by absolute position: a slot of a
+    pool. Steps read and write the pool for all their streams at once (`RingPool.read`, `.write`)."""
 
     def __init__(self, pool: RingPool, slot: int) -> None:
         self.pool = pool
         self.slot = slot
-
-    @classmethod
-    def alone(cls, capacity: int, row_shape: tuple[int, ...], dtype: str = "float32") -> RingRows:
-        pool = RingPool(capacity, row_shape, dtype)
-        pool.reserve(1)
-        return cls(pool, 0)
 
     @property
     def capacity(self) -> int:
@@ -111,14 +106,6 @@ class RingRows:
     def write(self, positions: np.ndarray, rows: np.ndarray) -> None:
         positions = np.asarray(positions)
         self.pool.write(np.full(len(positions), self.slot), positions, rows)
-
-    def read(self, positions: np.ndarray) -> np.ndarray:
-        return self.data[positions % self.capacity]
-
-    def read_params(self, positions: np.ndarray) -> np.ndarray:
-        params = self.params
-        assert params is not None, "only u8 rows have params"
-        return params[positions % self.capacity]
 
     @property
     def nbytes(self) -> int:
