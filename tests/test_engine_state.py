@@ -165,6 +165,21 @@ def test_ring_pools_give_back_a_burst_of_streams_once_it_is_over(tiny):
     engine.close("kept")
 
 
+def test_held_state_bytes_count_the_free_pool_slots_until_the_pools_shrink(tiny):
+    """What a stage reports holding: the closed streams' slots stay counted until the pools give them back."""
+    engine = StageEngine(load_stage(tiny, 0, load_shape(tiny).num_layers), EngineSettings(context=256))
+    for name in ("a", "b", "c"):
+        engine.open(name)
+        feed(engine, name, IDS[:20], 10)
+    assert engine.held_state_bytes() >= sum(engine.stream_bytes(s) for s in ("a", "b", "c"))
+    engine.close("c")
+    assert engine.held_state_bytes() > engine.stream_bytes("a") + engine.stream_bytes("b")
+    engine.close("b")
+    assert engine.held_state_bytes() == engine.stream_bytes("a")
+    engine.close("a")
+    assert engine.held_state_bytes() == 0
+
+
 def test_context_budget_is_a_clear_error_and_leaves_the_stream_usable(tiny):
     engine = StageEngine(load_stage(tiny, 0, load_shape(tiny).num_layers), EngineSettings(context=32))
     engine.open("s")

@@ -279,7 +279,8 @@ def test_router_process_streams_tokens_cancels_and_reports_stats(fleet_of, solo,
     assert tokens == solo(request)
     assert stats.active_streams == 0 and stats.frames_in_flight == 0
     assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt is empty" in bad.details()
-    assert [(s.open_streams, s.state_bytes) for s in shard_stats] == [(0, 0)] * len(fleet.stage_addrs)
+    held = [(s.open_streams, s.state_bytes, s.held_state_bytes) for s in shard_stats]
+    assert held == [(0, 0, 0)] * len(fleet.stage_addrs)
 
 
 def test_a_stream_past_its_context_budget_fails_naming_the_stage_and_the_chain_keeps_serving(fleet_of, solo):

@@ -462,6 +462,22 @@ class StageEngine:
             return len(state.blocks) * self._pool.block_bytes
         return state.nbytes
 
+    def held_state_bytes(self) -> int:
+        """Memory this stage holds for stream state: its ring pools with their free slots, the global
+        layers' caches of open streams, or its paged KV pool. Above the open streams' `stream_bytes`
+        while the pools keep the slots of streams that have closed."""
+        if self._pool is not None:
+            return self._pool.nbytes
+        pooled = sum(pool.nbytes for rings in self._rings for pool in rings.pools)
+        growing = sum(
+            store.nbytes
+            for state in list(self._streams.values())  # one snapshot: a shard reads this beside its steps
+            for layer in state.layers
+            for store in (layer.keys, layer.values)
+            if isinstance(store, GrowingRows)
+        )
+        return pooled + growing
+
     @property
     def streams(self) -> list[Hashable]:
         return list(self._streams)

@@ -93,6 +93,11 @@ class BlockPool:
         return sum(k[0].nbytes + v[0].nbytes for k, v in zip(self.keys, self.values, strict=True))
 
     @property
+    def nbytes(self) -> int:
+        """Every block the pool has allocated, the free ones too."""
+        return self.capacity * self.block_bytes
+
+    @property
     def free_blocks(self) -> int:
         return len(self._free)
 

@@ -40,6 +40,11 @@ class RingPool:
     def slots(self) -> int:
         return self.data.shape[0]
 
+    @property
+    def nbytes(self) -> int:
+        """Every slot's rows, the free ones too: what the pool holds, not what its streams use."""
+        return self.data.nbytes + (0 if self.params is None else self.params.nbytes)
+
     def reserve(self, slots: int) -> None:
         """Hold at least `slots` streams; grows by doublings, so streams opened one by one copy little."""
         if slots <= self.slots:

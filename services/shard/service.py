@@ -225,6 +225,7 @@ class ShardServicer(rpc.ShardServicer):
         return pb.ShardStats(
             open_streams=len(streams),
             state_bytes=sum(self.engine.stream_bytes(s) for s in streams),
+            held_state_bytes=self.engine.held_state_bytes(),
             queued_frames=self.queue.qsize(),
             compute_seconds=self.compute_seconds,
             frames_computed=self.frames_computed,
