@@ -1251,6 +1251,7 @@ def bench_context(
     lengths: Annotated[str, typer.Option(help="Prompt lengths, comma separated.")] = "1024,4096,16384",
     prefill_window: Annotated[int, typer.Option(min=1)] = 256,
     kv_precision: KvPrecisionOption = "f32",
+    streams: Annotated[int, typer.Option(min=1, help="Streams per length, decoded together.")] = 1,
 ) -> None:
     """Time to first token and decode time against prompt length (fit aN + bN²), KV bytes per position."""
     from cascadia.bench.context import ContextBenchConfig, run_context_bench
@@ -1263,7 +1264,9 @@ def bench_context(
 
         model = out / "tiny-checkpoint"
         write_checkpoint(model, SyntheticSpec(preset="tiny", seed=0))
-    config = ContextBenchConfig(resolve_model(str(model)), out, counts, prefill_window, kv_precision=kv_precision)
+    config = ContextBenchConfig(
+        resolve_model(str(model)), out, counts, prefill_window, kv_precision=kv_precision, streams=streams
+    )
     summary = run_context_bench(config, err)
     sys.stdout.write(json.dumps({k: v for k, v in summary.items() if k != "rows"}) + "\n")
 

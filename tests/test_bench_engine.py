@@ -96,3 +96,22 @@ def test_rounds_alternate_their_order_and_each_starts_after_a_quiet_spell():
     timed = calls[2:]  # after one warm-up round each
     assert [label for label, _ in timed] == ["a", "b", "b", "a", "a", "b"]
     assert all(later - earlier >= 0.05 for (_, earlier), (_, later) in itertools.pairwise(timed))
+
+
+def test_context_bench_decodes_several_long_streams_together(tiny, tmp_path):
+    """`--streams` gives every length that many prompts, decoded in one batch; state is counted for all."""
+    summaries = {}
+    for streams in (1, 3):
+        out = tmp_path / str(streams)
+        done = cascadia(
+            "bench", "context", "--model", str(tiny), "--out", str(out), "--lengths", "40,150",
+            "--prefill-window", "64", "--streams", str(streams),
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        summaries[streams] = json.loads((out / "context.json").read_text())
+        assert (out / "context.png").is_file()
+    assert summaries[3]["streams"] == 3
+    for alone, together in zip(summaries[1]["rows"], summaries[3]["rows"], strict=True):
+        assert together["state_bytes"] == 3 * alone["state_bytes"] > 0
+        assert together["bytes_per_position"] == alone["bytes_per_position"]
+        assert together["decode_tokens_per_s"] == pytest.approx(3e3 / together["decode_ms"])
