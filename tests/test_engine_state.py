@@ -71,6 +71,20 @@ def test_rewind_beyond_the_slack_is_refused_without_changing_state(engine):
     engine.close("far")
 
 
+def test_rewinds_in_a_row_are_bounded_by_the_furthest_position_fed(engine):
+    """Two rewinds within the slack each but not together would read ring rows later positions overwrote."""
+    engine.open("twice")
+    first = feed(engine, "twice", IDS, 8)
+    engine.rewind("twice", len(IDS) - 30)
+    with pytest.raises(ValueError, match=f"cannot rewind {len(IDS) - 5} positions \\(it has been fed to {len(IDS)}\\)"):
+        engine.rewind("twice", 5)
+    assert engine.position("twice") == len(IDS) - 30
+    engine.rewind("twice", len(IDS) - 32)
+    again = feed(engine, "twice", IDS[-32:], 4, start=len(IDS) - 32)
+    np.testing.assert_allclose(again, first[-32:], rtol=0, atol=2e-5 * np.abs(first).max())
+    engine.close("twice")
+
+
 def test_a_batch_of_streams_at_different_positions_equals_each_stream_alone(engine):
     alone = {}
     # b's far keys reach into a second cache block while a and c have none or part of one

@@ -559,7 +559,7 @@ class StageEngine:
                 if trace is not None:
                     trace.append(hidden)
         for seg, state in zip(segments, states, strict=True):
-            state.position += seg.length
+            state.advance(seg.length)
         if not self.is_last:
             return StepResult(hidden, None, None)
         if logits is None:

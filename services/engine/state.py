@@ -328,14 +328,28 @@ class StreamState:
     blocks: list[int] = field(default_factory=list)
     context: int = 0
     ring_slot: int = -1  # the stream's slot in its stage's ring pools (-1: a stage without rings)
+    reached: int = 0  # the furthest position fed, which a rewind may go back at most `slack` from
 
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
 
+    def advance(self, count: int) -> None:
+        self.position += count
+        self.reached = max(self.reached, self.position)
+
     def rewind(self, position: int) -> None:
+        """Step back to `position`, at most `slack` positions behind the furthest the stream has been fed.
+
+        The bound is from the furthest position, not the current one: the rings keep the rows of the
+        last window plus slack positions before it, so a second rewind right after a first must not
+        reach back to rows the later positions have overwritten.
+        """
         if not 0 <= position <= self.position:
             raise ValueError(f"cannot rewind to position {position}: the stream is at {self.position}")
-        if self.position - position > self.slack:
-            raise ValueError(f"cannot rewind {self.position - position} positions: the rewind slack is {self.slack}")
+        if self.reached - position > self.slack:
+            behind = f" (it has been fed to {self.reached})" if self.reached > self.position else ""
+            raise ValueError(
+                f"cannot rewind {self.reached - position} positions{behind}: the rewind slack is {self.slack}"
+            )
         self.position = position
