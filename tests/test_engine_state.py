@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import weakref
 
 import numpy as np
@@ -177,6 +178,48 @@ def test_ring_pools_give_back_a_burst_of_streams_once_it_is_over(tiny):
     got.append(engine.step([Segment("kept", 20, 20)], ids[20:]).logits)
     np.testing.assert_allclose(np.concatenate(got), expected, rtol=0, atol=2e-5 * np.abs(expected).max())
     engine.close("kept")
+
+
+def test_far_blocks_kept_between_steps_follow_rewinds_and_streams_that_leave(tiny):
+    """Streams decoding together past two cache blocks of far keys give each stream's own logits, while
+    one of them steps back over far rows of its own (the tiny preset's band is shorter than the
+    rewind slack) and takes another path before coming back, and streams leave one by one."""
+    engine = StageEngine(load_stage(tiny, 0, load_shape(tiny).num_layers), EngineSettings(context=512))
+    seqs = {"a": np.resize(IDS, 300), "b": np.resize(IDS[7:], 330), "c": np.resize(IDS[::-1], 280)}
+    alone = {}
+    for name, ids in seqs.items():
+        engine.open(name)
+        alone[name] = feed(engine, name, ids, 1)
+        engine.close(name)
+    positions = {}
+    for name, ids in seqs.items():
+        engine.open(name)
+        feed(engine, name, ids[:120], 64)
+        positions[name] = 120
+    got: dict[str, dict[int, np.ndarray]] = {name: {} for name in seqs}
+    for step in itertools.count():
+        if not positions:
+            break
+        names = list(positions)
+        ids = np.array([seqs[n][positions[n]] for n in names])
+        logits = engine.step([Segment(n, positions[n], 1) for n in names], ids).logits
+        for n, row in zip(names, logits, strict=True):
+            got[n][positions[n]] = row
+            positions[n] += 1
+            if positions[n] == len(seqs[n]):
+                engine.close(n)
+                del positions[n]
+        if step == 150:
+            back = positions["b"] - 20
+            engine.rewind("b", back)
+            feed(engine, "b", np.array([3, 4, 5, 6, 7]), 5, start=back)
+            engine.rewind("b", back)
+            positions["b"] = back
+    for name, rows in got.items():
+        ours = np.stack([rows[p] for p in range(120, len(seqs[name]))])
+        ref = alone[name][120:]
+        np.testing.assert_allclose(ours, ref, rtol=0, atol=2e-5 * np.abs(ref).max(), err_msg=name)
+    assert engine.held_state_bytes() == 0
 
 
 def test_held_state_bytes_count_the_free_pool_slots_until_the_pools_shrink(tiny):

@@ -19,6 +19,7 @@ import openvino as ov
 
 from cascadia.engine import graphs, llama_graphs, mapped
 from cascadia.engine.batch import KeyPlan, Segment, StepPlan, check_segments, plan_step
+from cascadia.engine.far_stack import FarStack
 from cascadia.engine.kv_quant import STORAGE, bytes_per_element
 from cascadia.engine.paged import BlockPool, PagedTables, blocks_for, paged_tables
 from cascadia.engine.settings import EngineSettings
@@ -209,28 +210,6 @@ class _StepRings:
             pool.write(self.row_slots[kept], positions[kept], rows[kept])
 
 
-def _far_inputs(name: str, caches: Sequence[GrowingRows], plan: KeyPlan) -> dict[str, np.ndarray | ov.Tensor]:
-    """Input `name` [S, N, Hkv, B, D]: the cache blocks holding each stream's far keys (and `{name}_params` for u8)."""
-    inputs = {name: _far_blocks([c.blocks(plan.far_blocks) for c in caches], plan)}
-    if caches[0].params is not None:
-        inputs[f"{name}_params"] = _far_blocks([c.block_params(plan.far_blocks) for c in caches], plan)
-    return inputs
-
-
-def _far_blocks(blocks: list[np.ndarray], plan: KeyPlan) -> np.ndarray | ov.Tensor:
-    """Streams' leading blocks as one array: a view for one stream, else only blocks with far keys are copied."""
-    if len(blocks) == 1 and blocks[0].shape[0] == plan.far_blocks:
-        return blocks[0][None]
-    if not plan.far_keys.any():
-        return _no_far_keys((len(blocks), plan.far_blocks, *blocks[0].shape[1:]), blocks[0].dtype.str)
-    out = np.zeros((len(blocks), plan.far_blocks, *blocks[0].shape[1:]), dtype=blocks[0].dtype)
-    block = blocks[0].shape[2]  # [N, Hkv, B, ...]
-    for i, (stream_blocks, far) in enumerate(zip(blocks, plan.far_keys, strict=True)):
-        used = -(-int(far) // block)
-        out[i, :used] = stream_blocks[:used]
-    return out
-
-
 @functools.lru_cache(maxsize=8)
 def _no_far_keys(shape: tuple[int, ...], dtype: str) -> ov.Tensor:
     """Zero blocks for steps where no stream has far keys yet (every slot is masked), shared between steps.
@@ -297,6 +276,9 @@ class StageEngine:
         # each request has bound
         self._traced_request: ov.InferRequest | None = None
         self._bound_pool: dict[int, int] = {}
+        # far blocks of the streams of recent steps, per global-layer input and list of streams (a
+        # shard takes its pipeline's groups in turn), kept until a stream opens or closes
+        self._far_stacks: dict[tuple[str, tuple[int, ...]], FarStack] = {}
         # models compiled later (a trace's per-layer outputs, the head alone) are built from the weights
         # read again when `reload` says how, so that once compiled the engine holds no copy of them
         again: Callable[[], StageWeights] = reload if reload is not None else (lambda: weights)
@@ -413,6 +395,7 @@ class StageEngine:
                 f"stream {stream!r}: context {context} exceeds this engine's budget of {self.settings.context}"
             )
         slack = self.settings.rewind_slack
+        self._far_stacks.clear()
         if self._pool is not None:
             self._streams[stream] = StreamState([], 0, slack, context=context)
             return
@@ -440,6 +423,7 @@ class StageEngine:
             self._pool.release(state.blocks)
         if state.ring_slot >= 0:
             self._ring_slots.give_back(state.ring_slot)
+        self._far_stacks.clear()  # lists of streams change: the stacks start again at their next step
 
     def rewind(self, stream: Hashable, position: int) -> None:
         self._stream(stream).rewind(position)
@@ -476,7 +460,7 @@ class StageEngine:
             for store in (layer.keys, layer.values)
             if isinstance(store, GrowingRows)
         )
-        return pooled + growing
+        return pooled + growing + sum(stack.nbytes for stack in self._far_stacks.values())
 
     @property
     def streams(self) -> list[Hashable]:
@@ -639,8 +623,8 @@ class StageEngine:
         for li in range(len(self._layers)):
             keys = _growing([st.layers[li].keys for st in states])
             values = _growing([st.layers[li].values for st in states])
-            inputs.update(_far_inputs(f"far_k_{li}", keys, keys_plan))
-            inputs.update(_far_inputs(f"far_v_{li}", values, keys_plan))
+            inputs.update(self._far_inputs(f"far_k_{li}", f"far_k_{li}", keys, keys_plan, states))
+            inputs.update(self._far_inputs(f"far_v_{li}", f"far_v_{li}", values, keys_plan, states))
         layers = range(len(self._layers))
         wanted = ["hidden_out", *(f"new_{kv}_{li}" for li in layers for kv in "kv")]
         if trace is not None:
@@ -656,6 +640,36 @@ class StageEngine:
         if trace is not None:
             trace.extend(out[f"layer_out_{li}"] for li in range(len(self._layers)))
         return out["hidden_out"]
+
+    def _far_inputs(
+        self, name: str, key: str, caches: Sequence[GrowingRows], plan: KeyPlan, states: list[StreamState]
+    ) -> dict[str, np.ndarray | ov.Tensor]:
+        """Input `name` [S, N, Hkv, B, D]: the cache blocks holding each stream's far keys (and
+        `{name}_params` for u8); `key` names the input's stack among the stage's layers."""
+        inputs = {name: self._far_blocks(key, [c.blocks(plan.far_blocks) for c in caches], caches, plan, states)}
+        if caches[0].params is not None:
+            params = [c.block_params(plan.far_blocks) for c in caches]
+            inputs[f"{name}_params"] = self._far_blocks(f"{key}_params", params, caches, plan, states)
+        return inputs
+
+    def _far_blocks(
+        self,
+        key: str,
+        blocks: list[np.ndarray],
+        caches: Sequence[GrowingRows],
+        plan: KeyPlan,
+        states: list[StreamState],
+    ) -> np.ndarray | ov.Tensor:
+        """Streams' leading blocks as one array: a view for one stream, else the input's stack, whose
+        blocks are copied again only where they may have changed since the last step."""
+        if len(blocks) == 1 and blocks[0].shape[0] == plan.far_blocks:
+            return blocks[0][None]
+        if not plan.far_keys.any():
+            return _no_far_keys((len(blocks), plan.far_blocks, *blocks[0].shape[1:]), blocks[0].dtype.str)
+        owners = tuple(c.serial for c in caches)
+        fixed = np.array([st.reached - st.slack for st in states], dtype=np.int64)
+        stack = self._far_stacks.setdefault((key, owners), FarStack())
+        return stack.gather(owners, blocks, plan.far_blocks, plan.far_keys, fixed)
 
     def _step_rings(self, plan: StepPlan, states: list[StreamState]) -> _StepRings:
         streams = np.array([state.ring_slot for state in states], dtype=np.int64)
@@ -698,8 +712,8 @@ class StageEngine:
                 inputs.update(_cached_inputs("past_v", values, past))
         if keys_plan.far_mask is not None:
             inputs["far_mask"] = keys_plan.far_mask
-            inputs.update(_far_inputs("far_k", keys, keys_plan))
-            inputs.update(_far_inputs("far_v", values, keys_plan))
+            inputs.update(self._far_inputs("far_k", f"far_k_{li}", keys, keys_plan, states))
+            inputs.update(self._far_inputs("far_v", f"far_v_{li}", values, keys_plan, states))
         hist_m = None
         if layer.has_convs:
             assert rings.convs is not None and step_rings.history is not None, "a layer with convolutions has rings"

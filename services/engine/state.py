@@ -8,6 +8,7 @@ last K - 1 + slack inputs of its four short convolutions. The slack is how far a
 from __future__ import annotations
 
 import heapq
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -159,6 +160,7 @@ class StreamSlots:
 
 
 KV_BLOCK = 128  # positions per block of a global layer's cache
+_cache_serials = itertools.count()
 
 
 class GrowingRows:
@@ -172,6 +174,7 @@ class GrowingRows:
 
     def __init__(self, limit: int, row_shape: tuple[int, int], initial: int = 64, dtype: str = "float32") -> None:
         self.limit = limit
+        self.serial = next(_cache_serials)  # names this cache to the far stacks, which outlive it
         heads, width = row_shape
         self.data = np.zeros((_blocks_for(min(initial, limit)), heads, KV_BLOCK, width), dtype=dtype)
         self.params = _params_for(self.data)
