@@ -276,9 +276,11 @@ class StageEngine:
         # each request has bound
         self._traced_request: ov.InferRequest | None = None
         self._bound_pool: dict[int, int] = {}
-        # far blocks of the streams of recent steps, per global-layer input and list of streams (a
-        # shard takes its pipeline's groups in turn), kept until a stream opens or closes
-        self._far_stacks: dict[tuple[str, tuple[int, ...]], FarStack] = {}
+        # far blocks of the last step's streams, per global-layer input, kept until a stream opens or
+        # closes. One list of streams only: a shard taking its pipeline's groups in turn starts the
+        # stack again at each group, as the copy of every step did, rather than holding a second copy
+        # of every group's far blocks
+        self._far_stacks: dict[str, FarStack] = {}
         # models compiled later (a trace's per-layer outputs, the head alone) are built from the weights
         # read again when `reload` says how, so that once compiled the engine holds no copy of them
         again: Callable[[], StageWeights] = reload if reload is not None else (lambda: weights)
@@ -668,7 +670,7 @@ class StageEngine:
             return _no_far_keys((len(blocks), plan.far_blocks, *blocks[0].shape[1:]), blocks[0].dtype.str)
         owners = tuple(c.serial for c in caches)
         fixed = np.array([st.reached - st.slack for st in states], dtype=np.int64)
-        stack = self._far_stacks.setdefault((key, owners), FarStack())
+        stack = self._far_stacks.setdefault(key, FarStack())
         return stack.gather(owners, blocks, plan.far_blocks, plan.far_keys, fixed)
 
     def _step_rings(self, plan: StepPlan, states: list[StreamState]) -> _StepRings:
