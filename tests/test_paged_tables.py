@@ -44,6 +44,25 @@ def test_pool_grows_by_doubling_keeps_its_blocks_and_reuses_released_ones():
     assert pool.block_bytes == 2 * 2 * PAGE * 4 * 4
 
 
+def test_pool_shrinks_once_the_blocks_in_use_lie_in_its_lowest_quarter_and_keeps_them():
+    pool = BlockPool(layers=1, kv_heads=1, head_dim=4, dtype="float32", initial=2)
+    kept = pool.allocate(1)
+    pool.keys[0][kept[0]] = 5.0
+    burst = pool.allocate(15)  # 16 blocks
+    assert pool.capacity == 16 and kept == [0]
+    pool.release(burst[:8])
+    assert pool.capacity == 16  # blocks 9..15 still in use
+    generation = pool.generation
+    pool.release(burst[8:])
+    assert pool.capacity == 2 and pool.generation == generation + 1  # bound requests must bind again
+    assert (pool.keys[0][0] == 5.0).all() and pool.free_blocks == 1
+    # a stream opening and closing at the edge: grows once, then stays
+    edge = pool.allocate(2)
+    assert pool.capacity == 4
+    pool.release(edge)
+    assert pool.capacity == 4 and sorted(pool.allocate(2)) == sorted(edge)
+
+
 def test_pool_past_its_budget_is_a_clear_error_and_hands_out_nothing():
     pool = BlockPool(layers=1, kv_heads=1, head_dim=4, dtype="float16", max_blocks=4, initial=2)
     pool.allocate(3)

@@ -12,6 +12,7 @@ grows by doublings; each growth bumps `generation`, so a caller knows to bind th
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -80,7 +81,10 @@ class BlockPool:
         shape = (initial if max_blocks is None else min(initial, max_blocks), kv_heads, PAGE, head_dim)
         self.keys = [np.zeros(shape, dtype=dtype) for _ in range(layers)]
         self.values = [np.zeros(shape, dtype=dtype) for _ in range(layers)]
-        self._free = list(range(shape[0] - 1, -1, -1))
+        self._initial = shape[0]
+        # a heap: the lowest free block is handed out first, so that after a burst of long streams
+        # the blocks still in use lie low and the pool can shrink to them
+        self._free = list(range(shape[0]))
         self.generation = 0
 
     @property
@@ -104,10 +108,25 @@ class BlockPool:
     def allocate(self, count: int) -> list[int]:
         if count > len(self._free):
             self._grow(self.capacity - len(self._free) + count)
-        return [self._free.pop() for _ in range(count)]
+        return [heapq.heappop(self._free) for _ in range(count)]
 
     def release(self, blocks: Sequence[int]) -> None:
-        self._free.extend(reversed(blocks))
+        """Take blocks back; once the blocks in use all lie below the lowest quarter, shrink to them.
+
+        A quarter, not a half: the pool grows by doublings, so a stream opening and closing at the
+        edge must not make it grow and shrink in turn.
+        """
+        for block in blocks:
+            heapq.heappush(self._free, block)
+        free = set(self._free)
+        top = self.capacity
+        while top > 0 and top - 1 in free:
+            top -= 1
+        size = max(self._initial, top)
+        if top < self.capacity // 4 and size < self.capacity:
+            self._resize(size)
+            self._free = [b for b in self._free if b < size]
+            heapq.heapify(self._free)
 
     def _grow(self, needed: int) -> None:
         if self.max_blocks is not None and needed > self.max_blocks:
@@ -119,11 +138,16 @@ class BlockPool:
             size *= 2
         if self.max_blocks is not None:
             size = min(size, self.max_blocks)
+        self._resize(size)
+        for block in range(old, size):
+            heapq.heappush(self._free, block)
+
+    def _resize(self, size: int) -> None:
+        """Hold `size` blocks (keeping the first ones); requests bound to the old arrays must bind again."""
         for arrays in (self.keys, self.values):
             for n, array in enumerate(arrays):
-                grown = np.zeros((size, *array.shape[1:]), dtype=array.dtype)
-                grown[:old] = array
-                arrays[n] = grown
-        # new blocks go to the bottom of the free list: blocks already free are handed out first
-        self._free[:0] = range(size - 1, old - 1, -1)
+                resized = np.zeros((size, *array.shape[1:]), dtype=array.dtype)
+                kept = min(size, array.shape[0])
+                resized[:kept] = array[:kept]
+                arrays[n] = resized
         self.generation += 1
