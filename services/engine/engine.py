@@ -450,8 +450,11 @@ class StageEngine:
 
     def held_state_bytes(self) -> int:
         """Memory this stage holds for stream state: its ring pools with their free slots, the global
-        layers' caches of open streams, or its paged KV pool. Above the open streams' `stream_bytes`
-        while the pools keep the slots of streams that have closed."""
+        layers' caches of open streams and the far stacks kept between steps, or its paged KV pool.
+        Above the open streams' `stream_bytes` while the pools keep the slots of closed streams.
+
+        A shard reads this from its gRPC thread while a step runs: the tables are copied before they
+        are walked, as a step may add or drop entries meanwhile."""
         if self._pool is not None:
             return self._pool.nbytes
         pooled = sum(pool.nbytes for rings in self._rings for pool in rings.pools)
@@ -462,7 +465,7 @@ class StageEngine:
             for store in (layer.keys, layer.values)
             if isinstance(store, GrowingRows)
         )
-        return pooled + growing + sum(stack.nbytes for stack in self._far_stacks.values())
+        return pooled + growing + sum(stack.nbytes for stack in list(self._far_stacks.values()))
 
     @property
     def streams(self) -> list[Hashable]:
