@@ -6,20 +6,20 @@ passes only the tables (no cache inputs or outputs per layer, no host-side write
 a stage holds the same positions of a stream, so one block table serves all of them.
 
 `paged_tables` is the pure part: from the step's segments and each stream's blocks, the op's
-sequence tables. `BlockPool` owns the storage: blocks are handed out from a free list and the pool
-grows by doublings; each growth bumps `generation`, so a caller knows to bind the new arrays.
+sequence tables. `BlockPool` owns the storage: blocks are handed out lowest first, the pool grows by
+doublings and shrinks once the blocks in use lie low; each resize bumps `generation`, so a caller
+knows to bind the new arrays.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from cascadia.engine.batch import Segment, check_segments
-from cascadia.engine.state import BudgetExceeded
+from cascadia.engine.state import BudgetExceeded, LowestFirst
 
 PAGE = 32  # positions per block: the CPU plugin's PagedAttention kernel runs blocks of 32
 
@@ -82,9 +82,9 @@ class BlockPool:
         self.keys = [np.zeros(shape, dtype=dtype) for _ in range(layers)]
         self.values = [np.zeros(shape, dtype=dtype) for _ in range(layers)]
         self._initial = shape[0]
-        # a heap: the lowest free block is handed out first, so that after a burst of long streams
-        # the blocks still in use lie low and the pool can shrink to them
-        self._free = list(range(shape[0]))
+        # the lowest free block is handed out first, so that after a burst of long streams the blocks
+        # still in use lie low and the pool can shrink to them
+        self._free = LowestFirst(shape[0])
         self.generation = 0
 
     @property
@@ -108,7 +108,7 @@ class BlockPool:
     def allocate(self, count: int) -> list[int]:
         if count > len(self._free):
             self._grow(self.capacity - len(self._free) + count)
-        return [heapq.heappop(self._free) for _ in range(count)]
+        return [self._free.take() for _ in range(count)]
 
     def release(self, blocks: Sequence[int]) -> None:
         """Take blocks back; once the blocks in use all lie below the lowest quarter, shrink to them.
@@ -117,30 +117,25 @@ class BlockPool:
         edge must not make it grow and shrink in turn.
         """
         for block in blocks:
-            heapq.heappush(self._free, block)
-        free = set(self._free)
-        top = self.capacity
-        while top > 0 and top - 1 in free:
-            top -= 1
+            self._free.give_back(block)
+        top = self._free.span()
         size = max(self._initial, top)
         if top < self.capacity // 4 and size < self.capacity:
             self._resize(size)
-            self._free = [b for b in self._free if b < size]
-            heapq.heapify(self._free)
+            self._free.truncate(size)
 
     def _grow(self, needed: int) -> None:
         if self.max_blocks is not None and needed > self.max_blocks:
             raise BudgetExceeded(
                 f"the KV pool needs {needed} blocks of {PAGE} positions; its budget is {self.max_blocks}"
             )
-        old = size = self.capacity
+        size = self.capacity
         while size < needed:
             size *= 2
         if self.max_blocks is not None:
             size = min(size, self.max_blocks)
         self._resize(size)
-        for block in range(old, size):
-            heapq.heappush(self._free, block)
+        self._free.extend(size)
 
     def _resize(self, size: int) -> None:
         """Hold `size` blocks (keeping the first ones); requests bound to the old arrays must bind again."""

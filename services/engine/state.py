@@ -119,6 +119,49 @@ class RingRows:
         return self.data.nbytes + (0 if params is None else params.nbytes)
 
 
+class LowestFirst:
+    """Indices [0, count) handed out lowest first, so that after a burst the ones still in use lie low
+    and their holder can shrink to them (`span`, then `truncate`)."""
+
+    def __init__(self, count: int = 0) -> None:
+        self.count = count
+        self._free = list(range(count))  # a heap
+
+    def __len__(self) -> int:
+        """Free indices."""
+        return len(self._free)
+
+    def take(self) -> int:
+        """The lowest free index, or a new one after all the others."""
+        if self._free:
+            return heapq.heappop(self._free)
+        self.count += 1
+        return self.count - 1
+
+    def extend(self, count: int) -> None:
+        """Indices up to `count`, all free."""
+        for index in range(self.count, count):
+            heapq.heappush(self._free, index)
+        self.count = max(self.count, count)
+
+    def give_back(self, index: int) -> None:
+        heapq.heappush(self._free, index)
+
+    def span(self) -> int:
+        """One past the highest index in use (0 when none is)."""
+        free = set(self._free)
+        top = self.count
+        while top and top - 1 in free:
+            top -= 1
+        return top
+
+    def truncate(self, count: int) -> None:
+        """Forget the indices from `count` on; none of them may be in use."""
+        self._free = [index for index in self._free if index < count]
+        heapq.heapify(self._free)
+        self.count = count
+
+
 class StreamSlots:
     """Slots in a stage's ring pools, handed to streams as they open and taken back as they close.
 
@@ -128,33 +171,23 @@ class StreamSlots:
 
     def __init__(self, pools: list[RingPool]) -> None:
         self._pools = pools
-        self._free: list[int] = []  # a heap
-        self._count = 0
+        self._slots = LowestFirst()
 
     def take(self) -> int:
-        if self._free:
-            slot = heapq.heappop(self._free)
-        else:
-            slot, self._count = self._count, self._count + 1
-            for pool in self._pools:
-                pool.reserve(self._count)
-        for pool in self._pools:  # a reused slot still holds its last stream's rows
-            pool.clear(slot)
+        slot = self._slots.take()
+        for pool in self._pools:
+            pool.reserve(self._slots.count)
+            pool.clear(slot)  # a reused slot still holds its last stream's rows
         return slot
 
     def give_back(self, slot: int) -> None:
-        heapq.heappush(self._free, slot)
-        free = set(self._free)
-        used = self._count
-        while used and used - 1 in free:
-            used -= 1
+        self._slots.give_back(slot)
+        used = self._slots.span()
         held = max((pool.slots for pool in self._pools), default=0)
         # a quarter, not a half: the pools grow by doublings, so a stream opening and closing at the
         # edge must not make them grow and shrink in turn
         if used <= held // 4:
-            self._free = [s for s in self._free if s < used]
-            heapq.heapify(self._free)
-            self._count = used
+            self._slots.truncate(used)
             for pool in self._pools:
                 pool.shrink(used)
 
