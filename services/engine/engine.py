@@ -460,7 +460,7 @@ class StageEngine:
         pooled = sum(pool.nbytes for rings in self._rings for pool in rings.pools)
         growing = sum(
             store.nbytes
-            for state in list(self._streams.values())  # one snapshot: a shard reads this beside its steps
+            for state in list(self._streams.values())
             for layer in state.layers
             for store in (layer.keys, layer.values)
             if isinstance(store, GrowingRows)
