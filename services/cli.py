@@ -326,6 +326,10 @@ def shard(
         typer.Option(help="Memory this shard may use, e.g. 48Gi: reports (and checks) the context that fits."),
     ] = None,
     streams: Annotated[int, typer.Option(min=1, help="Streams the memory check sizes the KV for.")] = 88,
+    streams_per_step: Annotated[
+        int | None,
+        typer.Option(min=1, help="Streams stepped together, for the memory check (the router's rows per group)."),
+    ] = None,
     mtp_depths: Annotated[
         int, typer.Option(min=0, help="Last stage: serve this many depths of the model's MTP head as a proposer.")
     ] = 0,
@@ -364,7 +368,7 @@ def shard(
     except (ConfigError, CheckpointError, ValueError) as exc:
         raise fail(str(exc)) from None
     if memory is not None:
-        _check_context_fits(engine, memory, streams)
+        _check_context_fits(engine, memory, streams, streams_per_step)
     from cascadia.shard.capture import StageInfo
     from cascadia.shard.service import serve
 
@@ -922,29 +926,38 @@ def up(
     raise typer.Exit(code)
 
 
-def _check_context_fits(engine, memory: str, streams: int) -> None:
-    """The start-up probe: how many positions per stream the memory left after loading holds."""
+def _check_context_fits(engine, memory: str, streams: int, streams_per_step: int | None) -> None:
+    """The start-up probe: the context per stream whose state the memory left after loading holds.
+
+    The state is counted as the planner counts it (ring pools by their slots, global caches in whole
+    blocks, far stacks of the streams stepped together), so that a shard refuses what a plan would."""
     import logging
 
     import psutil
 
-    from cascadia.planner import PlanError, parse_size, positions_that_fit
+    from cascadia.engine.settings import MAX_CONTEXT
+    from cascadia.planner import PlanError, PlanRequest, context_that_fits, parse_size, stage_state_bytes
 
     try:
         budget = parse_size(memory)
     except PlanError as exc:
         raise fail(f"--memory: {exc}") from None
     used = psutil.Process().memory_info().rss
-    per_position = engine.kv_bytes_per_position()
-    fit = positions_that_fit(budget - used, per_position, streams)
+    request = PlanRequest.from_settings(
+        ("shard",), budget, engine.settings, streams=streams, streams_per_step=streams_per_step
+    )
+    span = (engine.shape, engine.start_layer, engine.end_layer)
+    needed = stage_state_bytes(*span, request)
+    fit = context_that_fits(*span, request, budget - used, MAX_CONTEXT)
     logging.getLogger("cascadia.shard").info(
-        "KV: %d bytes per position per stream (%s); %d positions per stream fit for %d streams in %s",
-        per_position, engine.settings.kv_precision, fit, streams, memory,
+        "stream state: %.2f GiB for %d streams at %d positions (%s KV); %d positions per stream fit in %s",
+        needed / 2**30, streams, engine.settings.context, engine.settings.kv_precision, fit, memory,
     )  # fmt: skip
-    if per_position and fit < engine.settings.context:
+    if needed > budget - used:
         raise fail(
             f"--context {engine.settings.context} does not fit: {fit} positions per stream for {streams} streams "
-            f"in --memory {memory} ({used / 2**30:.1f} GiB already used by the weights and runtime)"
+            f"in --memory {memory} ({used / 2**30:.1f} GiB already used by the weights and runtime, "
+            f"{needed / 2**30:.2f} GiB of stream state needed)"
         )
 
 
@@ -1011,6 +1024,10 @@ def plan(
     attention_weights: Annotated[str, typer.Option(help="f32, f16, int8 or int4")] = "int8",
     head_weights: Annotated[str, typer.Option(help="f32, f16, int8 or int4")] = "int8",
     streams: Annotated[int, typer.Option(min=1, help="Streams the KV budget is sized for.")] = 88,
+    streams_per_step: Annotated[
+        int | None,
+        typer.Option(min=1, help="Streams a shard steps together (the router's rows per group); default all."),
+    ] = None,
     context: Annotated[int, typer.Option(min=1, help="Global-layer positions per stream.")] = 1024,
     kv_precision: KvPrecisionOption = "f32",
     node_bandwidth: Annotated[float, typer.Option(help="Memory read bandwidth per node, GB/s.")] = 100.0,
@@ -1042,6 +1059,7 @@ def plan(
             head_weights=head_weights,  # type: ignore[arg-type]
             layers_per_node=layers_per_node,
             streams=streams,
+            streams_per_step=streams_per_step,
             context=context,
             kv_precision=kv_precision,
         )
@@ -1061,6 +1079,7 @@ def plan(
                     "endLayer": s.end_layer,
                     "weightBytes": s.weight_bytes,
                     "kvBytes": s.kv_bytes,
+                    "farStackBytes": s.far_stack_bytes,
                     "totalBytes": s.total_bytes,
                 }
                 for s in fleet.stages
@@ -1079,7 +1098,7 @@ def plan(
             s.node,
             f"{s.start_layer}:{s.end_layer}",
             f"{s.weight_bytes / 2**30:.2f}",
-            f"{s.kv_bytes / 2**30:.2f}",
+            f"{s.state_bytes / 2**30:.2f}",
             f"{s.total_bytes / 2**30:.2f}",
         )
     Console().print(table)

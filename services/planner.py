@@ -8,10 +8,11 @@ the final norm and the head.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from cascadia.engine.kv_quant import bytes_per_element
+from cascadia.engine.state import KV_BLOCK, cache_blocks, far_blocks_for, pool_slots_for
 from cascadia.model.config import ModelShape, shape_from_config
 from cascadia.model.formats import WeightFormat, stored_bytes
 
@@ -86,6 +87,9 @@ class PlanRequest:
     head_weights: WeightFormat = "int8"
     layers_per_node: int | None = None
     streams: int = 88  # concurrent streams the KV budget is sized for
+    # streams a shard steps together (at most the router's rows per group); None: all of them, as in
+    # one frame of every stream on a one-machine chain
+    streams_per_step: int | None = None
     context: int = 1024  # global-layer positions per stream
     rewind_slack: int = 32
     runtime_overhead: int = 2 * GIB  # OpenVINO runtime, activations, buffers per node
@@ -114,10 +118,16 @@ class StagePlan:
     weight_bytes: int
     kv_bytes: int
     overhead_bytes: int
+    far_stack_bytes: int = 0
+
+    @property
+    def state_bytes(self) -> int:
+        """What the stage holds for stream state: `kv_bytes` and the far blocks kept between steps."""
+        return self.kv_bytes + self.far_stack_bytes
 
     @property
     def total_bytes(self) -> int:
-        return self.weight_bytes + self.kv_bytes + self.overhead_bytes
+        return self.weight_bytes + self.state_bytes + self.overhead_bytes
 
 
 @dataclass(frozen=True)
@@ -159,14 +169,46 @@ def layer_weight_bytes(shape: ModelShape, layer: int, request: PlanRequest) -> i
     return total
 
 
-def layer_kv_bytes(shape: ModelShape, layer: int, request: PlanRequest) -> int:
-    """State bytes one layer keeps for all planned streams: KV rows and the four conv histories."""
+def _position_bytes(shape: ModelShape, layer: int, request: PlanRequest) -> float:
+    """Key and value bytes of one position of one layer (a u8 row's scale and offset included)."""
     a = shape.layer_attention(layer)
-    positions = request.context if a.window is None else a.window - 1 + request.rewind_slack
-    kv = round(positions * 2 * a.kv_width * bytes_per_element(request.kv_precision, a.head_dim))
+    return 2 * a.kv_width * bytes_per_element(request.kv_precision, a.head_dim)
+
+
+def layer_kv_bytes(shape: ModelShape, layer: int, request: PlanRequest) -> int:
+    """State bytes one layer holds for the planned streams: KV rows and the four conv histories.
+
+    Counted as the engine allocates them: a global layer's cache in whole blocks of its budget, and
+    sliding rings and conv histories in pools whose slots grow by doublings (88 streams hold 128 slots).
+    """
+    a = shape.layer_attention(layer)
+    per_position = _position_bytes(shape, layer, request)
     conv_rows = shape.conv_kernel_size - 1 + request.rewind_slack if shape.has_convs else 0
-    conv = conv_rows * (2 * a.kv_width + 2 * shape.hidden_size) * 4
-    return request.streams * (kv + conv)
+    ring = conv_rows * (2 * a.kv_width + 2 * shape.hidden_size) * 4
+    cache = 0
+    if a.window is None:
+        cache = round(cache_blocks(request.context) * KV_BLOCK * per_position)
+    else:
+        ring += round((a.window - 1 + request.rewind_slack) * per_position)
+    return pool_slots_for(request.streams) * ring + request.streams * cache
+
+
+def stage_far_stack_bytes(shape: ModelShape, start: int, end: int, request: PlanRequest) -> int:
+    """The far keys and values a stage keeps from one step to the next (`FarStack`): a second copy of
+    the global layers' far blocks of the streams stepping together, once they have used their budget.
+
+    A lone stream's far blocks are read in place, and a context within the relative-bias band has none.
+    """
+    together = request.streams if request.streams_per_step is None else min(request.streams, request.streams_per_step)
+    global_layers = [i for i in range(start, end) if shape.layer_attention(i).window is None]
+    if together < 2 or not global_layers:
+        return 0
+    band = 0 if shape.family == "llama" else max(shape.layer_attention(i).rel_extent for i in global_layers) - 1
+    far_keys = request.context - 1 - band  # the keys before the band of a row at the last position
+    if far_keys <= 0:
+        return 0
+    positions = far_blocks_for(far_keys) * KV_BLOCK
+    return together * sum(round(positions * _position_bytes(shape, i, request)) for i in global_layers)
 
 
 def _edge_bytes(shape: ModelShape, request: PlanRequest) -> tuple[int, int]:
@@ -182,7 +224,8 @@ def _stage(shape: ModelShape, request: PlanRequest, node: str, start: int, end: 
     weights += embed if start == 0 else 0
     weights += head if end == shape.num_layers else 0
     kv = sum(layer_kv_bytes(shape, i, request) for i in range(start, end))
-    return StagePlan(node, start, end, weights, kv, request.runtime_overhead)
+    stacks = stage_far_stack_bytes(shape, start, end, request)
+    return StagePlan(node, start, end, weights, kv, request.runtime_overhead, stacks)
 
 
 def _check_fits(stages: list[StagePlan], memory: int) -> None:
@@ -192,7 +235,7 @@ def _check_fits(stages: list[StagePlan], memory: int) -> None:
         raise PlanError(
             f"{len(over)} node(s) exceed their {memory / GIB:.1f} GiB: {worst.node} needs "
             f"{worst.total_bytes / GIB:.1f} GiB for layers {worst.start_layer}:{worst.end_layer} "
-            f"({worst.weight_bytes / GIB:.1f} GiB weights, {worst.kv_bytes / GIB:.1f} GiB KV, "
+            f"({worst.weight_bytes / GIB:.1f} GiB weights, {worst.state_bytes / GIB:.1f} GiB KV, "
             f"{worst.overhead_bytes / GIB:.1f} GiB runtime)"
         )
 
@@ -325,8 +368,23 @@ def parse_size(text: str) -> int:
     return int(amount * _UNITS[unit])
 
 
-def positions_that_fit(free_bytes: int, bytes_per_position: int, streams: int) -> int:
-    """Global-layer positions per stream that `free_bytes` hold for `streams` streams (the shard's probe)."""
-    if bytes_per_position <= 0:
-        return 1 << 62  # no global layer here: the context costs nothing on this stage
-    return max(0, free_bytes // (bytes_per_position * streams))
+def stage_state_bytes(shape: ModelShape, start: int, end: int, request: PlanRequest) -> int:
+    """Stream state of layers [start, end) for the request's streams and context (`StagePlan.state_bytes`)."""
+    kv = sum(layer_kv_bytes(shape, i, request) for i in range(start, end))
+    return kv + stage_far_stack_bytes(shape, start, end, request)
+
+
+def context_that_fits(shape: ModelShape, start: int, end: int, request: PlanRequest, free_bytes: int, most: int) -> int:
+    """The largest context budget up to `most` whose stream state fits in `free_bytes` (0: not even one
+    position; the shard's start-up probe). A stage without global layers fits any context or none."""
+
+    def fits(context: int) -> bool:
+        return stage_state_bytes(shape, start, end, replace(request, context=context)) <= free_bytes
+
+    if not fits(1):
+        return 0
+    low, high = 1, most
+    while low < high:  # state bytes never shrink as the context grows
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle - 1)
+    return low

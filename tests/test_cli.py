@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from cascadia.model.config import load_shape
 from tests.oracle import greedy, load_oracle
 
 
@@ -88,10 +89,22 @@ def test_shard_memory_probe_refuses_a_context_that_cannot_fit(tiny):
     )  # fmt: skip
     assert done.returncode == 2
     assert "--context 1024 does not fit" in done.stderr and "for 100000 streams in --memory 1Gi" in done.stderr
-    # f16 keys and values double what fits
-    from cascadia.planner import positions_that_fit
+    # the probe's context is the largest whose planned state fits; f16 keys and values about double it
+    from dataclasses import replace
 
-    assert positions_that_fit(1 << 20, 64, 8) == 2048 == 2 * positions_that_fit(1 << 20, 128, 8)
+    from cascadia.planner import PlanRequest, context_that_fits, stage_state_bytes
+
+    shape = load_shape(tiny)
+    span = (shape, 0, shape.num_layers)
+    free = 8 << 20
+    fits = {}
+    for kv in ("f32", "f16"):
+        request = PlanRequest(("shard",), free, streams=8, kv_precision=kv)
+        fits[kv] = fit = context_that_fits(*span, request, free, 1 << 20)
+        assert stage_state_bytes(*span, replace(request, context=fit)) <= free
+        assert stage_state_bytes(*span, replace(request, context=fit + 1)) > free
+    assert 1.8 * fits["f32"] < fits["f16"] < 2.2 * fits["f32"]
+    assert context_that_fits(*span, PlanRequest(("shard",), 1, streams=8), 1, 1 << 20) == 0
 
 
 @pytest.mark.parametrize(

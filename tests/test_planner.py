@@ -7,8 +7,13 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
+from cascadia.engine.batch import Segment
+from cascadia.engine.engine import StageEngine
+from cascadia.engine.settings import EngineSettings
+from cascadia.model.checkpoint import load_stage
 from cascadia.model.config import load_shape
 from cascadia.planner import (
     GIB,
@@ -71,6 +76,46 @@ def test_kv_budget_counts_against_node_memory():
     assert big.stages[1].kv_bytes > small.stages[1].kv_bytes > 0
     with pytest.raises(PlanError, match="KV"):
         plan_fleet(shape, PlanRequest(FLEET, 61 * GIB, layers_per_node=6, context=512 * 1024))
+
+
+@pytest.mark.parametrize("kv_precision", ["f32", "u8"])
+def test_planned_state_is_what_an_engine_holds_once_its_streams_fill_their_context(tiny, kv_precision):
+    """Three streams (ring pools of four slots) stepped together to the end of their budget, against
+    the plan's state for the same stage: ring slots, global-layer blocks and far stacks all count."""
+    shape = load_shape(tiny)
+    streams, context = 3, 400
+    engine = StageEngine(
+        load_stage(tiny, 0, shape.num_layers), EngineSettings(context=context, kv_precision=kv_precision)
+    )
+    names = [f"s{n}" for n in range(streams)]
+    for name in names:
+        engine.open(name)
+    rng = np.random.default_rng(0)
+    position, window = 0, 64
+    while position < context:  # prompts in windows, then a decode row at the last position
+        rows = min(window, context - 1 - position) or 1
+        segments = [Segment(name, position, rows) for name in names]
+        engine.step(segments, rng.integers(3, shape.unpadded_vocab_size, size=rows * streams))
+        position += rows
+    request = PlanRequest(("a",), 64 * GIB, streams=streams, context=context, kv_precision=kv_precision)
+    stage = plan_fleet(shape, request).stages[0]
+    assert stage.far_stack_bytes > 0
+    assert engine.held_state_bytes() == stage.state_bytes
+    alone = plan_fleet(shape, PlanRequest(("a",), 64 * GIB, streams=streams, context=context, streams_per_step=1))
+    assert alone.stages[0].far_stack_bytes == 0  # a lone stream's far blocks are read in place
+
+
+def test_far_stacks_count_only_for_contexts_past_the_band_and_streams_stepped_together():
+    shape = preset_shape("inkling-975b")
+
+    def stacks(**kw) -> int:
+        return plan_fleet(shape, PlanRequest(FLEET, 64 * GIB, layers_per_node=6, **kw)).stages[1].far_stack_bytes
+
+    assert stacks(context=1024) == 0  # within the relative-bias band: no far keys
+    long = {"context": 8192, "streams": 16}
+    assert stacks(**long, streams_per_step=1) == 0
+    assert stacks(**long, streams_per_step=8) * 2 == stacks(**long)  # None: every stream in one step
+    assert stacks(**long, streams_per_step=64) == stacks(**long)  # never more than the planned streams
 
 
 def test_floor_throughput_grows_with_streams_and_saturates():

@@ -21,6 +21,7 @@ def fleet_plan(spec: FleetSpec, nodes: list[str], model_config: dict[str, Any] |
         head_weights=precision["head"],
         layers_per_node=spec.get("layersPerNode"),
         streams=serving["maxStreams"],
+        streams_per_step=serving["rowsPerGroup"],
         context=serving["contextBudget"],
     )
     return plan_fleet(shape, request)

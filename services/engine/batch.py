@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cascadia.engine.state import KV_BLOCK, steady_size
+from cascadia.engine.state import KV_BLOCK, far_blocks_for, steady_size
 
 NEG_INF = np.float32(-np.inf)
 
@@ -160,7 +160,7 @@ def _key_plan(
     past_positions = np.where(in_near, first[:, None] + far[:, None] + slot[None, :] - near_start[:, None], -1)
     far_blocks, far_mask = 0, None
     if band is not None:  # global layers: far keys are positions 0 .. far - 1, read in cache blocks
-        far_blocks = steady_size(max(1, -(-int(far.max()) // block)))
+        far_blocks = far_blocks_for(int(far.max()), block)
         position = np.arange(far_blocks * block)
         far_mask = np.where(position[None, :] < far[:, None], np.float32(0.0), NEG_INF).astype(np.float32)
 

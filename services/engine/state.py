@@ -50,7 +50,7 @@ class RingPool:
         """Hold at least `slots` streams; grows by doublings, so streams opened one by one copy little."""
         if slots <= self.slots:
             return
-        count = max(slots, 2 * self.slots)
+        count = _grown_slots(self.slots, slots)
         self.data = _grown_to(self.data, count)
         if self.params is not None:
             self.params = _grown_to(self.params, count)
@@ -81,6 +81,19 @@ class RingPool:
     def read_params(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
         assert self.params is not None, "only u8 rows have params"
         return self.params[slots[:, None], positions % self.capacity]
+
+
+def _grown_slots(held: int, wanted: int) -> int:
+    return max(wanted, 2 * held)
+
+
+def pool_slots_for(streams: int) -> int:
+    """Slots a stage's ring pools hold once `streams` streams are open (opened one at a time, as they are)."""
+    held = 0
+    for wanted in range(1, streams + 1):
+        if wanted > held:
+            held = _grown_slots(held, wanted)
+    return held
 
 
 def _grown_to(array: np.ndarray, count: int) -> np.ndarray:
@@ -222,7 +235,7 @@ class GrowingRows:
         while blocks * KV_BLOCK < rows:
             blocks *= 2
         # up to the steady size of the budget's blocks, so that the far blocks a step reads are a view
-        return min(blocks, steady_size(_blocks_for(self.limit)))
+        return min(blocks, cache_blocks(self.limit))
 
     def reserve(self, rows: int) -> int:
         """Grow to hold `rows` positions; returns the bytes added."""
@@ -294,6 +307,16 @@ def steady_size(count: int, most: int | None = None) -> int:
 
 def _blocks_for(rows: int) -> int:
     return max(1, -(-rows // KV_BLOCK))
+
+
+def cache_blocks(limit: int) -> int:
+    """Blocks a global layer's cache holds once a stream has used its whole budget of `limit` positions."""
+    return steady_size(_blocks_for(limit))
+
+
+def far_blocks_for(far_keys: int, block: int = KV_BLOCK) -> int:
+    """Blocks of the far region a step passes when its streams have at most `far_keys` far keys."""
+    return steady_size(max(1, -(-far_keys // block)))
 
 
 Rows = RingRows | GrowingRows
