@@ -325,7 +325,9 @@ def shard(
         str | None,
         typer.Option(help="Memory this shard may use, e.g. 48Gi: reports (and checks) the context that fits."),
     ] = None,
-    streams: Annotated[int, typer.Option(min=1, help="Streams the memory check sizes the KV for.")] = 88,
+    streams: Annotated[
+        int, typer.Option(min=1, help="Streams the shard is sized for: its ring pools' slots, and the memory check.")
+    ] = 88,
     streams_per_step: Annotated[
         int | None,
         typer.Option(min=1, help="Streams stepped together, for the memory check (the router's rows per group)."),
@@ -360,7 +362,7 @@ def shard(
         if (end == shape.num_layers) != (reply_to is not None):
             raise fail(f"--layers {layers}: only the stage ending at layer {shape.num_layers} takes --reply-to")
         overrides = {"kv_precision": kv_precision, "threads": threads, **({"context": context} if context else {})}
-        settings = preset(precision, device=device, **overrides)
+        settings = preset(precision, device=device, planned_streams=streams, **overrides)
         if mtp_depths and reply_to is None:
             raise fail("--mtp-depths is for the last stage (the one with --reply-to)")
         engine = load_engine(model_dir, settings, start, end)

@@ -178,8 +178,9 @@ def _position_bytes(shape: ModelShape, layer: int, request: PlanRequest) -> floa
 def layer_kv_bytes(shape: ModelShape, layer: int, request: PlanRequest) -> int:
     """State bytes one layer holds for the planned streams: KV rows and the four conv histories.
 
-    Counted as the engine allocates them: a global layer's cache in whole blocks of its budget, and
-    sliding rings and conv histories in pools whose slots grow by doublings (88 streams hold 128 slots).
+    Counted as a shard told the planned streams (`cascadia shard --streams`, as the operator starts
+    them) allocates them: a global layer's cache in whole blocks of its budget, and sliding rings and
+    conv histories in pools of one slot per planned stream.
     """
     a = shape.layer_attention(layer)
     per_position = _position_bytes(shape, layer, request)
@@ -190,7 +191,7 @@ def layer_kv_bytes(shape: ModelShape, layer: int, request: PlanRequest) -> int:
         cache = round(cache_blocks(request.context) * KV_BLOCK * per_position)
     else:
         ring += round((a.window - 1 + request.rewind_slack) * per_position)
-    return pool_slots_for(request.streams) * ring + request.streams * cache
+    return pool_slots_for(request.streams, request.streams) * ring + request.streams * cache
 
 
 def stage_far_stack_bytes(shape: ModelShape, start: int, end: int, request: PlanRequest) -> int:

@@ -12,7 +12,7 @@ import pytest
 from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine, StreamError
 from cascadia.engine.settings import EngineSettings
-from cascadia.engine.state import BudgetExceeded
+from cascadia.engine.state import BudgetExceeded, pool_slots_for
 from cascadia.model.checkpoint import load_stage
 from cascadia.model.config import load_shape
 
@@ -220,6 +220,19 @@ def test_far_blocks_kept_between_steps_follow_rewinds_and_streams_that_leave(tin
         ref = alone[name][120:]
         np.testing.assert_allclose(ours, ref, rtol=0, atol=2e-5 * np.abs(ref).max(), err_msg=name)
     assert engine.held_state_bytes() == 0
+
+
+def test_ring_pools_sized_for_planned_streams_hold_one_slot_each_until_more_open(tiny):
+    """Five planned streams: the pools double up to five slots, not eight; a sixth stream doubles them."""
+    settings = EngineSettings(context=256, planned_streams=5)
+    engine = StageEngine(load_stage(tiny, 0, load_shape(tiny).num_layers), settings)
+    held = []
+    for n in range(6):
+        engine.open(f"s{n}")
+        held.append(max(pool.slots for rings in engine._rings for pool in rings.pools))
+    assert held == [1, 2, 4, 4, 5, 10]
+    assert [pool_slots_for(n, 5) for n in range(1, 7)] == held
+    assert pool_slots_for(88) == 128 and pool_slots_for(88, 88) == 88
 
 
 def test_held_state_bytes_count_the_free_pool_slots_until_the_pools_shrink(tiny):

@@ -80,13 +80,13 @@ def test_kv_budget_counts_against_node_memory():
 
 @pytest.mark.parametrize("kv_precision", ["f32", "u8"])
 def test_planned_state_is_what_an_engine_holds_once_its_streams_fill_their_context(tiny, kv_precision):
-    """Three streams (ring pools of four slots) stepped together to the end of their budget, against
-    the plan's state for the same stage: ring slots, global-layer blocks and far stacks all count."""
+    """Three streams on a stage sized for them (as the operator starts shards) stepped together to the
+    end of their budget, against the plan's state for the same stage: ring slots, global-layer blocks
+    and far stacks all count."""
     shape = load_shape(tiny)
     streams, context = 3, 400
-    engine = StageEngine(
-        load_stage(tiny, 0, shape.num_layers), EngineSettings(context=context, kv_precision=kv_precision)
-    )
+    settings = EngineSettings(context=context, kv_precision=kv_precision, planned_streams=streams)
+    engine = StageEngine(load_stage(tiny, 0, shape.num_layers), settings)
     names = [f"s{n}" for n in range(streams)]
     for name in names:
         engine.open(name)

@@ -178,7 +178,8 @@ def shard_statefulset(fleet: Fleet, plan: FleetPlan, stage: int) -> dict[str, An
     args = [
         "shard", "--model", model_path, "--layers", f"{placed.start_layer}:{placed.end_layer}",
         "--listen", f"0.0.0.0:{SHARD_PORT}", "--stage", str(stage), "--precision", spec.get("precision", "mode"),
-        "--device", spec.get("device"), "--context", str(spec.get("serving", "contextBudget")), *hop,
+        "--device", spec.get("device"), "--context", str(spec.get("serving", "contextBudget")),
+        "--streams", str(spec.get("serving", "maxStreams")), *hop,
     ]  # fmt: skip
     device = spec.get("nodes", "deviceResource")
     memory = placed.total_bytes

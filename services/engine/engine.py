@@ -352,7 +352,9 @@ class StageEngine:
         self._has_global = any(w is None for w in self._windows)
         self._streams: dict[Hashable, StreamState] = {}
         self._rings = [] if self._pool is not None else [self._layer_rings(layer.attention) for layer in self._layers]
-        self._ring_slots = StreamSlots([pool for rings in self._rings for pool in rings.pools])
+        self._ring_slots = StreamSlots(
+            [pool for rings in self._rings for pool in rings.pools], settings.planned_streams
+        )
 
     def _layer_rings(self, attention: AttentionShape) -> LayerRings:
         slack, kv = self.settings.rewind_slack, STORAGE[self.settings.kv_precision]

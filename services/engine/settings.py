@@ -74,6 +74,9 @@ class EngineSettings:
     # compiled graphs read their weights through a file mapping (`cascadia.engine.mapped`), which the
     # system can drop under pressure, instead of holding them in anonymous memory
     map_weights: bool = True
+    # streams the ring pools are sized for: they grow by doublings up to this count, and past it only
+    # when more streams open (0: by doublings alone, so 88 streams hold 128 slots)
+    planned_streams: int = 0
 
     def __post_init__(self) -> None:
         for name in ("expert_weights", "attention_weights", "head_weights"):
@@ -96,6 +99,8 @@ class EngineSettings:
             raise ValueError("paged attention keeps keys and values in f32 or f16; u8 needs llama_attention 'blocks'")
         if self.rewind_slack < 0:
             raise ValueError(f"rewind_slack must be >= 0, got {self.rewind_slack}")
+        if self.planned_streams < 0:
+            raise ValueError(f"planned_streams must be >= 0, got {self.planned_streams}")
 
     @property
     def dense_ffn_path(self) -> Literal["experts", "matmul"]:

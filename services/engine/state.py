@@ -46,11 +46,12 @@ class RingPool:
         """Every slot's rows, the free ones too: what the pool holds, not what its streams use."""
         return self.data.nbytes + (0 if self.params is None else self.params.nbytes)
 
-    def reserve(self, slots: int) -> None:
-        """Hold at least `slots` streams; grows by doublings, so streams opened one by one copy little."""
+    def reserve(self, slots: int, planned: int = 0) -> None:
+        """Hold at least `slots` streams; grows by doublings, so streams opened one by one copy little,
+        but not past `planned` streams while they are enough."""
         if slots <= self.slots:
             return
-        count = _grown_slots(self.slots, slots)
+        count = _grown_slots(self.slots, slots, planned)
         self.data = _grown_to(self.data, count)
         if self.params is not None:
             self.params = _grown_to(self.params, count)
@@ -83,16 +84,20 @@ class RingPool:
         return self.params[slots[:, None], positions % self.capacity]
 
 
-def _grown_slots(held: int, wanted: int) -> int:
-    return max(wanted, 2 * held)
+def _grown_slots(held: int, wanted: int, planned: int) -> int:
+    doubled = 2 * held
+    if wanted <= planned:
+        doubled = min(doubled, planned)
+    return max(wanted, doubled)
 
 
-def pool_slots_for(streams: int) -> int:
-    """Slots a stage's ring pools hold once `streams` streams are open (opened one at a time, as they are)."""
+def pool_slots_for(streams: int, planned: int = 0) -> int:
+    """Slots a stage's ring pools hold once `streams` streams are open (opened one at a time, as they
+    are), for pools sized for `planned` streams (`EngineSettings.planned_streams`)."""
     held = 0
     for wanted in range(1, streams + 1):
         if wanted > held:
-            held = _grown_slots(held, wanted)
+            held = _grown_slots(held, wanted, planned)
     return held
 
 
@@ -182,14 +187,15 @@ class StreamSlots:
     free together: once the used slots fit in a quarter of the pools, the pools shrink to them.
     """
 
-    def __init__(self, pools: list[RingPool]) -> None:
+    def __init__(self, pools: list[RingPool], planned: int = 0) -> None:
         self._pools = pools
+        self._planned = planned
         self._slots = LowestFirst()
 
     def take(self) -> int:
         slot = self._slots.take()
         for pool in self._pools:
-            pool.reserve(self._slots.count)
+            pool.reserve(self._slots.count, self._planned)
             pool.clear(slot)  # a reused slot still holds its last stream's rows
         return slot
 
