@@ -94,11 +94,13 @@ def _grown_slots(held: int, wanted: int, planned: int) -> int:
 def pool_slots_for(streams: int, planned: int = 0) -> int:
     """Slots a stage's ring pools hold once `streams` streams are open (opened one at a time, as they
     are), for pools sized for `planned` streams (`EngineSettings.planned_streams`)."""
-    held = 0
-    for wanted in range(1, streams + 1):
-        if wanted > held:
-            held = _grown_slots(held, wanted, planned)
-    return held
+    if streams <= 0:
+        return 0
+    # doublings from one slot, stopping at the planned count while it is enough; past it, doublings of it
+    held = 1 if streams <= planned or not planned else planned
+    while held < streams:
+        held *= 2
+    return min(held, planned) if streams <= planned else held
 
 
 def _grown_to(array: np.ndarray, count: int) -> np.ndarray:
