@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import itertools
+import threading
+import time
 import weakref
 
 import numpy as np
@@ -256,6 +258,38 @@ def test_held_state_bytes_count_the_free_pool_slots_until_the_pools_shrink(tiny)
     assert engine.held_state_bytes() == engine.stream_bytes("a")
     engine.close("a")
     assert engine.held_state_bytes() == 0
+
+
+def test_state_figures_read_beside_streams_opening_and_closing_never_fail(tiny):
+    """A shard's `Stats` reads these while its compute thread opens, steps and closes streams."""
+    engine = StageEngine(load_stage(tiny, 0, load_shape(tiny).num_layers), EngineSettings(context=256))
+    engine.open("kept")
+    feed(engine, "kept", IDS[:20], 10)
+    assert engine.state_bytes() == engine.stream_bytes("kept")
+    stop = threading.Event()
+
+    def churn() -> None:
+        for n in itertools.count():
+            if stop.is_set():
+                return
+            engine.open(f"c{n}")
+            engine.step([Segment(f"c{n}", 0, 3)], IDS[:3])
+            engine.close(f"c{n}")
+
+    worker = threading.Thread(target=churn)
+    worker.start()
+    try:
+        deadline = time.monotonic() + 1.0
+        reads = 0
+        while time.monotonic() < deadline:
+            assert engine.state_bytes() >= engine.stream_bytes("kept")
+            assert engine.held_state_bytes() >= engine.stream_bytes("kept")
+            reads += 1
+    finally:
+        stop.set()
+        worker.join()
+    assert reads > 100
+    assert engine.state_bytes() == engine.stream_bytes("kept")
 
 
 def test_context_budget_is_a_clear_error_and_leaves_the_stream_usable(tiny):

@@ -450,6 +450,14 @@ class StageEngine:
             return len(state.blocks) * self._pool.block_bytes
         return state.nbytes
 
+    def state_bytes(self) -> int:
+        """The open streams' `stream_bytes` together. A shard's `Stats` reads this beside a running
+        step, which may open and close streams meanwhile: the table is copied before it is walked."""
+        states = list(self._streams.values())
+        if self._pool is not None:
+            return sum(len(state.blocks) for state in states) * self._pool.block_bytes
+        return sum(state.nbytes for state in states)
+
     def held_state_bytes(self) -> int:
         """Memory this stage holds for stream state: its ring pools with their free slots, the global
         layers' caches of open streams and the far stacks kept between steps, or its paged KV pool.

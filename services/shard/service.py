@@ -221,10 +221,11 @@ class ShardServicer(rpc.ShardServicer):
         return self.drafter.head.depths if self.drafter is not None else 0
 
     async def Stats(self, request, context):
-        streams = self.engine.streams
+        # the engine's tables change under a running step (`_compute` runs in a thread): each figure
+        # is read from a copy of them, never by looking streams up one by one
         return pb.ShardStats(
-            open_streams=len(streams),
-            state_bytes=sum(self.engine.stream_bytes(s) for s in streams),
+            open_streams=len(self.engine.streams),
+            state_bytes=self.engine.state_bytes(),
             held_state_bytes=self.engine.held_state_bytes(),
             queued_frames=self.queue.qsize(),
             compute_seconds=self.compute_seconds,
