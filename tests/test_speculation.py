@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -334,6 +337,55 @@ def test_two_draft_replicas_share_contexts_through_redis_and_survive_its_loss(re
             s.wait(10)
     log = (tmp_path / "draft-0.log").read_text()
     assert "local proposals" in log or "unavailable" in log
+
+
+@pytest.mark.slow
+def test_a_stalled_redis_does_not_hold_up_the_draft_services_other_calls(redis_server, tmp_path):
+    """Observations go to Redis, whose calls wait out their socket timeout when it hangs: they must
+    wait off the event loop, so that the service keeps answering everything else meanwhile."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from cascadia import tls
+    from cascadia.draft.client import DraftClient
+
+    url, redis_process = redis_server
+    address = f"127.0.0.1:{free_port()}"
+    service = _draft_service(address, url, tmp_path, "draft")
+
+    async def scenario() -> tuple[float, list[float]]:
+        client = DraftClient(address, timeout=5)
+        for _ in range(100):
+            if await client.propose("probe", [1], 1) == ([], "") and client._sent.get("probe") == 1:
+                break
+            await asyncio.sleep(0.1)
+        channel = tls.channel(address)
+        health = health_pb2_grpc.HealthStub(channel)
+        os.kill(redis_process.pid, signal.SIGSTOP)  # Redis hangs: every call waits for its timeout
+        try:
+            started = time.perf_counter()
+            observing = asyncio.gather(*(client.observe("B", "shared:A", 5, 5) for _ in range(4)))
+            latencies = []
+            while not observing.done():
+                before = time.perf_counter()
+                await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                latencies.append(time.perf_counter() - before)
+                await asyncio.sleep(0.01)
+            await observing
+            observed = time.perf_counter() - started
+        finally:
+            os.kill(redis_process.pid, signal.SIGCONT)
+        await channel.close()
+        await client.close()
+        return observed, latencies
+
+    try:
+        observed, latencies = asyncio.run(scenario())
+        assert service.poll() is None, "the draft service died"
+    finally:
+        service.terminate()
+        service.wait(10)
+    assert observed >= 0.15  # the observations did wait for the hung Redis
+    assert latencies and max(latencies) < 0.1, latencies
 
 
 # -- greedy identity across real shard processes ---------------------------------------------------

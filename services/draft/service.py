@@ -38,20 +38,21 @@ class DraftServicer(rpc.DraftServicer):
             tokens, source = await asyncio.to_thread(self.proposer.propose, request.stream, request.k)
         return pb.Proposal(tokens=tokens, source=source, have=have)
 
+    # Observe, Forget and Stats may reach the shared index in Redis: off the event loop, so that a slow
+    # or hung Redis (each call waits up to its socket timeout) does not hold up the service's other calls
     async def Observe(self, request, context):
-        self.proposer.observe(request.source, request.proposed, request.accepted)
+        await asyncio.to_thread(self.proposer.observe, request.source, request.proposed, request.accepted)
         return pb.Ack()
 
     async def Forget(self, request, context):
         async with self._lock:
-            self.proposer.forget(request.stream, request.share)
+            await asyncio.to_thread(self.proposer.forget, request.stream, request.share)
         return pb.Ack()
 
     async def Stats(self, request, context):
         shared = self.proposer.shared
-        return pb.DraftStats(
-            streams=len(self.proposer.streams), shared_index=bool(shared is not None and shared.available)
-        )
+        reachable = shared is not None and await asyncio.to_thread(lambda: shared.available)
+        return pb.DraftStats(streams=len(self.proposer.streams), shared_index=bool(reachable))
 
 
 async def serve(proposer: HybridProposer, listen: str) -> None:
