@@ -1212,20 +1212,34 @@ def bench_spec(
             "completion: raw prompts, --new-tokens each."
         ),
     ] = "chat",
+    families: Annotated[
+        str, typer.Option(help="Comma-separated families: copy, edit, rewrite, pattern, free (default: all).")
+    ] = "",
+    draft_model: Annotated[
+        str | None,
+        typer.Option(help=f"A small model drafting where nothing matches (the draft service's --model; {MODEL_HELP})."),
+    ] = None,
 ) -> None:
     """Per-request speedup and acceptance of speculative decoding by prompt family, and the aggregate rate."""
-    from cascadia.bench.spec import FORMS, SpecBenchConfig, run_spec_bench
+    from cascadia.bench.spec import FAMILIES, FORMS, SpecBenchConfig, run_spec_bench
     from cascadia.router.local import LocalFleet
 
     if form not in FORMS:
         raise fail(f"--form '{form}' is not one of {', '.join(FORMS)}")
+    chosen = tuple(f for f in families.split(",") if f) or FAMILIES
+    unknown = [f for f in chosen if f not in FAMILIES]
+    if unknown:
+        raise fail(f"--families: '{unknown[0]}' is not one of {', '.join(FAMILIES)}")
 
     rows = draft_rows or LocalFleet(Path(model), shards).scheduler_config().draft_room
     if max_draft is not None and max_draft >= rows:
         given = "" if draft_rows else " (the local fleet's)"
         raise fail(f"--max-draft {max_draft} must be below --draft-rows {rows}{given}")
     path = resolve_model(model)
-    config = SpecBenchConfig(path, out, shards, new_tokens, repeats, streams, max_draft, draft_rows, form)
+    drafter = None if draft_model is None else resolve_model(draft_model)
+    config = SpecBenchConfig(
+        path, out, shards, new_tokens, repeats, streams, max_draft, draft_rows, form, chosen, drafter
+    )
     summary = run_spec_bench(config, err)
     speedups = {f: round(r["speedup"], 3) for f, r in summary["families"].items()}
     sys.stdout.write(json.dumps({"speedup": speedups, "aggregate": summary["aggregate"]}) + "\n")

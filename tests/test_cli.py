@@ -113,6 +113,7 @@ def test_shard_memory_probe_refuses_a_context_that_cannot_fit(tiny):
         (["--max-draft", "16", "--draft-rows", "16"], "--max-draft 16 must be below --draft-rows 16"),
         (["--max-draft", "20"], "--max-draft 20 must be below --draft-rows 16 (the local fleet's)"),
         (["--form", "json"], "--form 'json' is not one of chat, completion"),
+        (["--families", "edit,poems"], "--families: 'poems' is not one of copy, edit, rewrite, pattern, free"),
     ],
 )
 def test_bench_spec_refuses_a_draft_that_does_not_fit_its_rows(tmp_path, args, message):

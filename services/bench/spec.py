@@ -49,6 +49,7 @@ COMPLETION_FAMILIES: dict[str, str] = {
     "free": FREE,
 }
 FORMS = ("chat", "completion")
+FAMILIES = tuple(CHAT_FAMILIES)
 VERIFY_SIZES = (2, 4, 8, 12, 16)  # rows of a verify block: 1 to 15 drafted tokens
 
 
@@ -63,6 +64,8 @@ class SpecBenchConfig:
     max_draft: int | None = None  # None: as many as the draft rows allow a lone stream
     draft_rows: int | None = None  # None: the local fleet's schedule
     form: str = "chat"  # one of FORMS
+    families: tuple[str, ...] = FAMILIES  # which families run, each alone and in the aggregate
+    draft_model: Path | None = None  # a small model drafting when no match does (the draft service's --model)
 
 
 def family_prompts(codec, form: str, new_tokens: int) -> dict[str, tuple[list[int], SamplingParams]]:
@@ -94,7 +97,7 @@ def _paired(runs: dict[str, list[float]]) -> float:
 
 async def _run(config: SpecBenchConfig, driver, codec, console: Console) -> dict[str, Any]:
     out: dict[str, Any] = {"families": {}, "aggregate": {}}
-    prompts = family_prompts(codec, config.form, config.new_tokens)
+    prompts = {f: v for f, v in family_prompts(codec, config.form, config.new_tokens).items() if f in config.families}
     for family, (prompt, params) in prompts.items():
         runs: dict[str, list[float]] = {"off": [], "on": []}
         sources: dict[str, list[int]] = {}
@@ -163,10 +166,17 @@ def run_spec_bench(config: SpecBenchConfig, console: Console) -> dict[str, Any]:
     if config.draft_rows is not None:
         overrides["draft_rows"] = config.draft_rows
     scheduler = fleet.scheduler_config(**overrides).speculating(config.max_draft)
+    proposer = None
+    if config.draft_model is not None:
+        from cascadia.draft.model import EngineDrafter
+        from cascadia.draft.proposer import HybridProposer
+
+        with console.status(f"loading the draft model {config.draft_model.name}"):
+            proposer = HybridProposer(model=EngineDrafter(config.draft_model, codec))
     fleet.start(log_dir=config.out)
 
     async def go() -> dict[str, Any]:
-        driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, scheduler, 600, LocalProposer())
+        driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, scheduler, 600, LocalProposer(proposer))
         await driver.start()
         try:
             with console.status(f"starting {config.shards} shards"):
@@ -187,6 +197,7 @@ def run_spec_bench(config: SpecBenchConfig, console: Console) -> dict[str, Any]:
         "shards": config.shards,
         "new_tokens": config.new_tokens,
         "form": config.form,
+        "draft_model": None if config.draft_model is None else config.draft_model.name,
         "max_draft": scheduler.max_draft,
         "draft_rows": scheduler.draft_room,
         "rows_per_group": scheduler.rows_per_group,
