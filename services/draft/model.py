@@ -35,15 +35,20 @@ class EngineDrafter:
         self._fed: dict[str, list[int]] = {}  # draft-model tokens each stream's state holds
 
     def draft(self, context: Sequence[int], k: int, stream: str = "draft") -> list[int]:
-        tail = list(context[-self.window // 2 :])
-        text = self.target.decode(tail)
+        # the tail starts at a multiple of a quarter window: from one proposal to the next it grows
+        # rather than slides, so the stream's state in the draft engine is kept, not prefilled again
+        quarter = self.window // 4
+        cut = max(0, len(context) - 2 * quarter)
+        tail = list(context[cut - cut % quarter :])
+        # special tokens stay in the text: a chat's markup must survive the round trip too
+        text = self.target.decode(tail, keep_special=True)
         if self.target.encode(text, add_bos=False) != tail:
             return []  # the tail does not survive a round trip through text: nothing aligns
-        ids = self.codec.encode(text, add_bos=False)[-self.window // 2 :]
-        if not ids:
+        ids = self.codec.encode(text, add_bos=False)
+        if not ids or len(ids) > self.window:  # another tokenizer may take more tokens than the room
             return []
         generated = self._continue(stream, ids, k + EXTRA_DRAFTED)
-        full = self.target.encode(text + self.codec.decode(generated), add_bos=False)
+        full = self.target.encode(text + self.codec.decode(generated, keep_special=True), add_bos=False)
         if full[: len(tail)] != tail:
             return []
         return full[len(tail) : len(tail) + k]

@@ -110,8 +110,9 @@ class TextCodec:
             ids = [bos_id, *ids]
         return ids
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: Sequence[int], keep_special: bool = False) -> str:
+        """The text of `ids`; special tokens (chat markup) are dropped unless `keep_special`."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=not keep_special)
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)

@@ -261,6 +261,27 @@ def grown_draft(k: int, cap: int, other_rows: int, costs: RoundCosts) -> int:
     return costs.widest_at_cost(other_rows + k + 1, other_rows + cap + 1) - other_rows - 1
 
 
+def paying_draft(k: int, rows: int, expected: float, costs: RoundCosts) -> int:
+    """Up to `k` drafted tokens for one of `rows` streams sharing a frame, as many as pay; 0 when none do.
+
+    The frame advances each stream by a token. With d drafted rows more it costs
+    `costs[rows + d] / costs[rows]` as much and yields the drafts the stream accepts on top
+    (`expected`, its smoothed count per round). The d with the most tokens per second is kept if that
+    beats the frame without it. A lone stream is left to its acceptance (drafting is how its estimate
+    grows), and sizes not yet measured are drafted, which measures them.
+    """
+    base = costs.seconds.get(rows)
+    measured = [d for d in range(1, k + 1) if rows + d in costs.seconds]
+    if k <= 0 or rows <= 1 or base is None or not measured:
+        return k
+
+    def rate(d: int) -> float:
+        return (rows + min(expected, d)) / costs.seconds[rows + d]
+
+    best = max(measured, key=rate)
+    return best if rate(best) > rows / base else 0
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
@@ -371,6 +392,7 @@ class Scheduler:
             cap = min(self.config.max_draft, self.config.draft_room // load - 1, left - 1)
             k = min(draft_length(load, self.config.draft_room, self.config.max_draft, stream.accepted_ema), left - 1)
             k = grown_draft(k, cap, load - 1, self.round_costs)
+            k = paying_draft(k, load, stream.accepted_ema, self.round_costs)
             if k > 0:
                 context = stream.request.prompt + tuple(stream.generated)
                 wanted.append(DraftWanted(stream.request.id, context, k, stream.mtp_draft[:k]))
