@@ -172,14 +172,20 @@ def test_prefilling_and_queued_streams_leave_less_room_for_drafts():
     assert s.drafts_wanted() == []
 
 
+def _decoding(config: SchedulerConfig, streams: str, max_tokens: int) -> Scheduler:
+    """A scheduler whose streams (one per letter) have prefilled together and decode."""
+    s = Scheduler(config)
+    s.set_chain_ready(True)
+    for rid in streams:
+        s.submit(Request(rid, (1, 2, 3), SamplingParams(max_tokens=max_tokens)))
+    (prefill,) = s.next_frames()
+    s.on_frame_done(prefill.id, {rid: 7 for rid in streams})
+    return s
+
+
 def test_large_groups_still_draft_only_within_the_draft_rows():
     """A one-machine chain's 64-row groups: drafts as if the group were 8 rows (none with 8 streams)."""
-    s = Scheduler(SchedulerConfig(stages=1, rows_per_group=64, max_draft=3, draft_rows=8))
-    s.set_chain_ready(True)
-    for rid in "abcdefgh":
-        s.submit(Request(rid, (1, 2, 3), SamplingParams(max_tokens=10)))
-    (prefill,) = s.next_frames()
-    s.on_frame_done(prefill.id, {rid: 7 for rid in "abcdefgh"})
+    s = _decoding(SchedulerConfig(stages=1, rows_per_group=64, max_draft=3, draft_rows=8), "abcdefgh", 10)
     assert s.drafts_wanted() == []
     assert SchedulerConfig(stages=1, rows_per_group=64, max_draft=3).draft_room == 64
 
@@ -218,12 +224,7 @@ def test_streams_sharing_a_frame_draft_only_what_their_acceptance_pays_for():
 
 
 def test_four_streams_stop_drafting_once_the_frames_say_it_does_not_pay():
-    s = Scheduler(SchedulerConfig(stages=1, rows_per_group=64, max_draft=15, draft_rows=16))
-    s.set_chain_ready(True)
-    for rid in "abcd":
-        s.submit(Request(rid, (1, 2, 3), SamplingParams(max_tokens=40)))
-    (prefill,) = s.next_frames()
-    s.on_frame_done(prefill.id, {rid: 7 for rid in "abcd"})
+    s = _decoding(SchedulerConfig(stages=1, rows_per_group=64, max_draft=15, draft_rows=16), "abcd", 40)
     for rid in "abcd":
         s._active[rid].accepted_ema = 1.0
     assert {w.k for w in s.drafts_wanted()} == {3}  # nothing measured yet: the room's share
