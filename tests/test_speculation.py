@@ -236,6 +236,11 @@ def test_four_streams_stop_drafting_once_the_frames_say_it_does_not_pay():
     for rid in "abcd":
         s._active[rid].accepted_ema = 3.0
     assert {w.k for w in s.drafts_wanted()} == {1}  # copies: one draft each pays, three do not
+    for rid in "abcd":  # all missed since, and 8 more tokens went by: one probe each, then none again
+        s._active[rid].accepted_ema = 0.0
+        s._active[rid].generated += [7] * 8
+    assert {w.k for w in s.drafts_wanted()} == {1}
+    assert s.drafts_wanted() == []
 
 
 def test_a_lone_stream_drafts_into_a_block_the_chain_ran_as_fast():
@@ -370,6 +375,30 @@ def test_two_draft_replicas_share_contexts_through_redis_and_survive_its_loss(re
             s.wait(10)
     log = (tmp_path / "draft-0.log").read_text()
     assert "local proposals" in log or "unavailable" in log
+
+
+def test_a_hung_redis_is_left_alone_for_a_while_then_asked_again(redis_server):
+    """The first call waits out its timeout; the next ones return at once until the back-off ends."""
+    from cascadia.draft.shared import RedisContexts
+
+    url, redis_process = redis_server
+    contexts = RedisContexts(url, retry_after_s=0.5)
+    contexts.publish("A", list(range(100, 120)))
+    suffix = [104, 105, 106, 107]
+    assert contexts.lookup(suffix, 3) == ("shared:A", [108, 109, 110])
+    os.kill(redis_process.pid, signal.SIGSTOP)
+    try:
+        started = time.perf_counter()
+        assert contexts.lookup(suffix, 3) is None
+        first = time.perf_counter() - started
+        started = time.perf_counter()
+        assert all(contexts.lookup(suffix, 3) is None for _ in range(20))
+        rest = time.perf_counter() - started
+    finally:
+        os.kill(redis_process.pid, signal.SIGCONT)
+    assert first >= 0.15 and rest < 0.05, (first, rest)
+    time.sleep(0.6)
+    assert contexts.lookup(suffix, 3) == ("shared:A", [108, 109, 110])
 
 
 @pytest.mark.slow

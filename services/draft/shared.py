@@ -5,7 +5,8 @@ Keys (all with a TTL; the server's memory cap and eviction policy bound the rest
   {prefix}ng:{n-gram}     context ids whose tokens contain that n-gram, with the end offset
   {prefix}agree:{source}  hash: proposed, accepted
 A Redis that is down or slow makes every call here return "nothing found" (and says so once):
-drafting carries on from the request-local sources.
+drafting carries on from the request-local sources. After a failure the index is left alone for
+`retry_after_s` rather than asked again at every call: a hung server costs each call its timeout.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import time
 from collections.abc import Sequence
 
 import redis
@@ -30,21 +32,27 @@ class RedisContexts:
         warmup: int = 16,
         prefix: str = "cascadia:",
         max_context: int = 8192,
+        retry_after_s: float = 1.0,
     ) -> None:
         # an external Redis's password comes from the environment (a Secret), never the command line
         password = os.environ.get("CASCADIA_REDIS_PASSWORD") or None
         self.client = redis.Redis.from_url(url, password=password, socket_timeout=0.2, socket_connect_timeout=0.2)
         self.ngram, self.ttl_s, self.trust, self.warmup = ngram, ttl_s, trust, warmup
         self.prefix, self.max_context = prefix, max_context
+        self.retry_after_s = retry_after_s
         self._down = False
+        self._failed_at = 0.0
 
     def _call(self, fn, default):
+        if self._down and time.monotonic() - self._failed_at < self.retry_after_s:
+            return default
         try:
             out = fn()
         except redis.RedisError as exc:
             if not self._down:
                 log.warning("shared-context index unavailable, drafting from local sources only: %s", exc)
             self._down = True
+            self._failed_at = time.monotonic()
             return default
         if self._down:
             log.info("shared-context index reachable again")

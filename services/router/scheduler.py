@@ -132,6 +132,7 @@ class _Stream:
     draft_source: str = ""
     rewind_to: int | None = None  # positions from here on were rejected drafts
     accepted_ema: float = 1.0  # accepted drafts per verify round, smoothed
+    drafted_at: int = 0  # tokens generated when the stream last asked for a draft
     mtp: bool = False  # the last stage's MTP head follows the stream
     mtp_draft: tuple[int, ...] = ()  # the MTP head's continuation after the last token
 
@@ -259,6 +260,9 @@ def grown_draft(k: int, cap: int, other_rows: int, costs: RoundCosts) -> int:
     if k <= 0 or cap <= k:
         return k
     return costs.widest_at_cost(other_rows + k + 1, other_rows + cap + 1) - other_rows - 1
+
+
+PROBE_EVERY = 8  # tokens a stream whose drafts do not pay generates between one-token probes
 
 
 def paying_draft(k: int, rows: int, expected: float, costs: RoundCosts) -> int:
@@ -392,8 +396,14 @@ class Scheduler:
             cap = min(self.config.max_draft, self.config.draft_room // load - 1, left - 1)
             k = min(draft_length(load, self.config.draft_room, self.config.max_draft, stream.accepted_ema), left - 1)
             k = grown_draft(k, cap, load - 1, self.round_costs)
-            k = paying_draft(k, load, stream.accepted_ema, self.round_costs)
+            paid = paying_draft(k, load, stream.accepted_ema, self.round_costs)
+            # a stream whose drafts stopped paying still tries one now and then: its estimate only
+            # changes in rounds that verify drafts, and what it generates may turn into a copy
+            if paid == 0 < k and len(stream.generated) - stream.drafted_at >= PROBE_EVERY:
+                paid = 1
+            k = paid
             if k > 0:
+                stream.drafted_at = len(stream.generated)
                 context = stream.request.prompt + tuple(stream.generated)
                 wanted.append(DraftWanted(stream.request.id, context, k, stream.mtp_draft[:k]))
             stream.mtp_draft = ()
