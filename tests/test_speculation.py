@@ -236,9 +236,9 @@ def test_four_streams_stop_drafting_once_the_frames_say_it_does_not_pay():
     for rid in "abcd":
         s._active[rid].accepted_ema = 3.0
     assert {w.k for w in s.drafts_wanted()} == {1}  # copies: one draft each pays, three do not
-    for rid in "abcd":  # all missed since, and 8 more tokens went by: one probe each, then none again
+    for rid in "abcd":  # all missed since, and 16 more tokens went by: one probe each, then none again
         s._active[rid].accepted_ema = 0.0
-        s._active[rid].generated += [7] * 8
+        s._active[rid].generated += [7] * 16
     assert {w.k for w in s.drafts_wanted()} == {1}
     assert s.drafts_wanted() == []
 

@@ -262,7 +262,7 @@ def grown_draft(k: int, cap: int, other_rows: int, costs: RoundCosts) -> int:
     return costs.widest_at_cost(other_rows + k + 1, other_rows + cap + 1) - other_rows - 1
 
 
-PROBE_EVERY = 8  # tokens a stream whose drafts do not pay generates between one-token probes
+PROBE_EVERY = 16  # tokens a stream whose drafts do not pay generates between one-token probes
 
 
 def paying_draft(k: int, rows: int, expected: float, costs: RoundCosts) -> int:
