@@ -121,6 +121,9 @@ class Emitted:
     finished: Literal["stop", "length"] | None
 
 
+PROBE_EVERY = 16  # tokens a stream whose drafts do not pay generates between one-token probes
+
+
 @dataclass
 class _Stream:
     request: Request
@@ -132,7 +135,8 @@ class _Stream:
     draft_source: str = ""
     rewind_to: int | None = None  # positions from here on were rejected drafts
     accepted_ema: float = 1.0  # accepted drafts per verify round, smoothed
-    drafted_at: int = 0  # tokens generated when the stream last asked for a draft
+    # tokens generated when the stream last asked for a draft; a new stream may probe at once
+    drafted_at: int = -PROBE_EVERY
     mtp: bool = False  # the last stage's MTP head follows the stream
     mtp_draft: tuple[int, ...] = ()  # the MTP head's continuation after the last token
 
@@ -260,9 +264,6 @@ def grown_draft(k: int, cap: int, other_rows: int, costs: RoundCosts) -> int:
     if k <= 0 or cap <= k:
         return k
     return costs.widest_at_cost(other_rows + k + 1, other_rows + cap + 1) - other_rows - 1
-
-
-PROBE_EVERY = 16  # tokens a stream whose drafts do not pay generates between one-token probes
 
 
 def paying_draft(k: int, rows: int, expected: float, costs: RoundCosts) -> int:
