@@ -935,8 +935,7 @@ def _check_context_fits(engine, memory: str, streams: int, streams_per_step: int
     blocks, far stacks of the streams stepped together), so that a shard refuses what a plan would."""
     import logging
 
-    import psutil
-
+    from cascadia.engine.memory import resident_in_use
     from cascadia.engine.settings import MAX_CONTEXT
     from cascadia.planner import PlanError, PlanRequest, context_that_fits, parse_size, stage_state_bytes
 
@@ -944,7 +943,7 @@ def _check_context_fits(engine, memory: str, streams: int, streams_per_step: int
         budget = parse_size(memory)
     except PlanError as exc:
         raise fail(f"--memory: {exc}") from None
-    used = psutil.Process().memory_info().rss
+    used = resident_in_use()
     request = PlanRequest.from_settings(
         ("shard",), budget, engine.settings, streams=streams, streams_per_step=streams_per_step
     )
@@ -952,8 +951,9 @@ def _check_context_fits(engine, memory: str, streams: int, streams_per_step: int
     needed = stage_state_bytes(*span, request)
     fit = context_that_fits(*span, request, budget - used, MAX_CONTEXT)
     logging.getLogger("cascadia.shard").info(
-        "stream state: %.2f GiB for %d streams at %d positions (%s KV); %d positions per stream fit in %s",
-        needed / 2**30, streams, engine.settings.context, engine.settings.kv_precision, fit, memory,
+        "stream state: %.2f GiB for %d streams at %d positions (%s KV); %d positions per stream fit in %s "
+        "beside the %.2f GiB in use",
+        needed / 2**30, streams, engine.settings.context, engine.settings.kv_precision, fit, memory, used / 2**30,
     )  # fmt: skip
     if needed > budget - used:
         raise fail(

@@ -94,3 +94,26 @@ def test_directories_left_by_a_dead_process_are_swept_and_fresh_ones_kept(tiny, 
     assert mapped.stale_dirs(tmp_path, time.time()) == [old]
     StageEngine(load_stage(tiny, 0, load_shape(tiny).num_layers), EngineSettings())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stage-fresh"]
+
+
+def test_memory_in_use_leaves_out_the_pages_of_mapped_files(tmp_path):
+    """What the shard's memory probe counts: a file read through a mapping makes the process larger
+    by its size, but not the memory in use, as the system can drop those pages and read them again."""
+    import mmap
+
+    import psutil
+
+    from cascadia.engine.memory import resident_in_use
+
+    size = 64 << 20
+    path = tmp_path / "weights.bin"
+    path.write_bytes(os.urandom(size))
+    rss, in_use = psutil.Process().memory_info().rss, resident_in_use()
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
+        touched = np.frombuffer(view, dtype=np.uint8)[::4096].sum()  # one byte of every page
+        assert touched >= 0
+        grown = psutil.Process().memory_info().rss - rss
+        added = resident_in_use() - in_use
+        del touched
+    assert grown > size // 2
+    assert added < size // 8

@@ -1,4 +1,4 @@
-"""Giving memory back to the system once a stage is compiled."""
+"""Giving memory back to the system once a stage is compiled, and counting what the process holds."""
 
 from __future__ import annotations
 
@@ -19,3 +19,13 @@ def release_unused_memory() -> None:
     except OSError:  # not glibc: its allocator returns memory by its own rules
         return
     libc.malloc_trim(0)
+
+
+def resident_in_use() -> int:
+    """Resident bytes the system cannot take back without swap: resident memory less its file-backed
+    and shared pages. A stage's mapped weight files stay resident after compiling beside the plugin's
+    own copy of the weights (`cascadia.engine.mapped`), but they are reclaimed under pressure."""
+    import psutil
+
+    resident = psutil.Process().memory_info()
+    return resident.rss - resident.shared
