@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from cascadia.engine.kv_quant import bytes_per_element
-from cascadia.engine.state import KV_BLOCK, cache_blocks, far_blocks_for, pool_slots_for
+from cascadia.engine.state import KV_BLOCK, cache_blocks, far_blocks_for
 from cascadia.model.config import ModelShape, shape_from_config
 from cascadia.model.formats import WeightFormat, stored_bytes
 
@@ -191,7 +191,7 @@ def layer_kv_bytes(shape: ModelShape, layer: int, request: PlanRequest) -> int:
         cache = round(cache_blocks(request.context) * KV_BLOCK * per_position)
     else:
         ring += round((a.window - 1 + request.rewind_slack) * per_position)
-    return pool_slots_for(request.streams, request.streams) * ring + request.streams * cache
+    return request.streams * (ring + cache)
 
 
 def stage_far_stack_bytes(shape: ModelShape, start: int, end: int, request: PlanRequest) -> int:
@@ -371,8 +371,7 @@ def parse_size(text: str) -> int:
 
 def stage_state_bytes(shape: ModelShape, start: int, end: int, request: PlanRequest) -> int:
     """Stream state of layers [start, end) for the request's streams and context (`StagePlan.state_bytes`)."""
-    kv = sum(layer_kv_bytes(shape, i, request) for i in range(start, end))
-    return kv + stage_far_stack_bytes(shape, start, end, request)
+    return _stage(shape, request, "", start, end).state_bytes
 
 
 def context_that_fits(shape: ModelShape, start: int, end: int, request: PlanRequest, free_bytes: int, most: int) -> int:

@@ -14,7 +14,7 @@ import pytest
 from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine, StreamError
 from cascadia.engine.settings import EngineSettings
-from cascadia.engine.state import BudgetExceeded, RingPool, pool_slots_for
+from cascadia.engine.state import BudgetExceeded
 from cascadia.model.checkpoint import load_stage
 from cascadia.model.config import load_shape
 
@@ -233,16 +233,6 @@ def test_ring_pools_sized_for_planned_streams_hold_one_slot_each_until_more_open
         engine.open(f"s{n}")
         held.append(max(pool.slots for rings in engine._rings for pool in rings.pools))
     assert held == [1, 2, 4, 4, 5, 10]
-    assert [pool_slots_for(n, 5) for n in range(1, 7)] == held
-    assert pool_slots_for(88) == 128 and pool_slots_for(88, 88) == 88
-
-
-def test_pool_slots_for_a_count_of_streams_follow_the_pools_growth_one_stream_at_a_time():
-    for planned in (0, 1, 3, 5, 8, 88):
-        pool = RingPool(2, (1,))
-        for streams in range(1, 200):
-            pool.reserve(streams, planned)
-            assert pool.slots == pool_slots_for(streams, planned), (streams, planned)
 
 
 def test_held_state_bytes_count_the_free_pool_slots_until_the_pools_shrink(tiny):

@@ -445,18 +445,15 @@ class StageEngine:
         )
 
     def stream_bytes(self, stream: Hashable) -> int:
-        state = self._stream(stream)
-        if self._pool is not None:
-            return len(state.blocks) * self._pool.block_bytes
-        return state.nbytes
+        return self._state_bytes_of(self._stream(stream))
 
     def state_bytes(self) -> int:
         """The open streams' `stream_bytes` together. A shard's `Stats` reads this beside a running
         step, which may open and close streams meanwhile: the table is copied before it is walked."""
-        states = list(self._streams.values())
-        if self._pool is not None:
-            return sum(len(state.blocks) for state in states) * self._pool.block_bytes
-        return sum(state.nbytes for state in states)
+        return sum(self._state_bytes_of(state) for state in list(self._streams.values()))
+
+    def _state_bytes_of(self, state: StreamState) -> int:
+        return len(state.blocks) * self._pool.block_bytes if self._pool is not None else state.nbytes
 
     def held_state_bytes(self) -> int:
         """Memory this stage holds for stream state: its ring pools with their free slots, the global

@@ -91,18 +91,6 @@ def _grown_slots(held: int, wanted: int, planned: int) -> int:
     return max(wanted, doubled)
 
 
-def pool_slots_for(streams: int, planned: int = 0) -> int:
-    """Slots a stage's ring pools hold once `streams` streams are open (opened one at a time, as they
-    are), for pools sized for `planned` streams (`EngineSettings.planned_streams`)."""
-    if streams <= 0:
-        return 0
-    # doublings from one slot, stopping at the planned count while it is enough; past it, doublings of it
-    held = 1 if streams <= planned or not planned else planned
-    while held < streams:
-        held *= 2
-    return min(held, planned) if streams <= planned else held
-
-
 def _grown_to(array: np.ndarray, count: int) -> np.ndarray:
     grown = np.zeros((count, *array.shape[1:]), dtype=array.dtype)
     grown[: array.shape[0]] = array
