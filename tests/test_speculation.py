@@ -228,6 +228,7 @@ def test_four_streams_stop_drafting_once_the_frames_say_it_does_not_pay():
     for rid in "abcd":
         s._active[rid].accepted_ema = 1.0
     assert {w.k for w in s.drafts_wanted()} == {3}  # nothing measured yet: the room's share
+    _drafted_and_verified(s, "abcd")
     for rows, seconds in ((4, 0.016), (5, 0.019), (6, 0.024), (7, 0.028)):
         s.round_costs.observe(rows, seconds)
     for rid in "abcd":
@@ -240,7 +241,15 @@ def test_four_streams_stop_drafting_once_the_frames_say_it_does_not_pay():
         s._active[rid].accepted_ema = 0.0
         s._active[rid].generated += [7] * 16
     assert {w.k for w in s.drafts_wanted()} == {1}
+    assert {w.k for w in s.drafts_wanted()} == {1}  # nothing was proposed: the probe is still open
+    _drafted_and_verified(s, "abcd")
     assert s.drafts_wanted() == []
+
+
+def _drafted_and_verified(s: Scheduler, streams: str) -> None:
+    for rid in streams:
+        s.set_draft(rid, [8])
+        s._active[rid].draft = ()  # verified (accepted or not) in the next frame
 
 
 def test_a_lone_stream_drafts_into_a_block_the_chain_ran_as_fast():

@@ -135,7 +135,7 @@ class _Stream:
     draft_source: str = ""
     rewind_to: int | None = None  # positions from here on were rejected drafts
     accepted_ema: float = 1.0  # accepted drafts per verify round, smoothed
-    # tokens generated when the stream last asked for a draft; a new stream may probe at once
+    # tokens generated when the stream last had a draft to verify; a new stream may probe at once
     drafted_at: int = -PROBE_EVERY
     mtp: bool = False  # the last stage's MTP head follows the stream
     mtp_draft: tuple[int, ...] = ()  # the MTP head's continuation after the last token
@@ -404,7 +404,6 @@ class Scheduler:
                 paid = 1
             k = paid
             if k > 0:
-                stream.drafted_at = len(stream.generated)
                 context = stream.request.prompt + tuple(stream.generated)
                 wanted.append(DraftWanted(stream.request.id, context, k, stream.mtp_draft[:k]))
             stream.mtp_draft = ()
@@ -414,6 +413,8 @@ class Scheduler:
         stream = self._active.get(stream_id)
         if stream is not None and not stream.busy:
             stream.draft, stream.draft_source = tuple(int(t) for t in tokens), source
+            if stream.draft:  # a probe counts once it verifies something; an empty proposal costs nothing
+                stream.drafted_at = len(stream.generated)
 
     # -- decisions --------------------------------------------------------------------------------
 
