@@ -129,6 +129,74 @@ def test_both_checkpoint_layouts_give_identical_outputs(checkpoints):
         np.testing.assert_array_equal(hf_logits, pub_logits)
 
 
+def stepped_together(engine: StageEngine, first: int, rows_in, calls: list[int]) -> list[list[np.ndarray]]:
+    """Three streams prefilled in windows of different lengths past the global layers' far band, then
+    decoding together: every step's per-layer trace (and logits on a last stage). `calls` receives
+    how many compiled-model calls each step made."""
+    import cascadia.engine.engine as engine_module
+
+    seqs = {"a": np.resize(PROMPTS["long"], 150), "b": np.resize(PROMPTS["short"], 170), "c": np.arange(3, 140)}
+    windows = {"a": 64, "b": 40, "c": 1}
+    positions = dict.fromkeys(seqs, 0)
+    for name in seqs:
+        engine.open(name)
+    traces = []
+    counted = engine_module._infer
+
+    def counting(request, inputs, outputs=None):
+        calls[-1] += 1
+        return counted(request, inputs, outputs)
+
+    engine_module._infer = counting
+    try:
+        while any(positions[n] < len(seqs[n]) for n in seqs):
+            segments = [
+                Segment(n, positions[n], min(windows[n], len(seqs[n]) - positions[n]))
+                for n in seqs
+                if positions[n] < len(seqs[n])
+            ]
+            ids = np.concatenate([seqs[s.stream][s.start : s.start + s.length] for s in segments])
+            trace: list[np.ndarray] = []
+            calls.append(0)
+            result = engine.step(segments, ids if first == 0 else rows_in(len(ids)), trace=trace)
+            traces.append([*trace, *([] if result.logits is None else [result.logits])])
+            for segment in segments:
+                positions[segment.stream] += segment.length
+    finally:
+        engine_module._infer = counted
+    for name in seqs:
+        engine.close(name)
+    return traces
+
+
+@pytest.mark.parametrize(("first", "end", "kv"), [(0, 5, "f32"), (0, 5, "u8"), (2, 4, "f32")])
+def test_a_stage_joined_into_one_model_equals_its_layers_called_one_by_one(tiny, first, end, kv):
+    """A stage's layers joined into one compiled model (one call per step) give each layer's outputs
+    as the layers compiled and called one by one, first and middle stages, sliding and global layers,
+    prefill windows and decode rows past the far band, with f32 and u8 keys and values."""
+    shape = load_shape(tiny)
+    weights = load_stage(tiny, first, end)
+    rng = np.random.default_rng(3)
+    rows = rng.standard_normal((400, shape.hidden_size)).astype(np.float32)
+    traces, calls = {}, {}
+    for joined in (True, False):
+        engine = StageEngine(weights, EngineSettings(kv_precision=kv, joined_layers=joined))
+        calls[joined] = []
+        traces[joined] = stepped_together(engine, first, lambda n: rows[:n], calls[joined])
+        if joined:
+            joined_ops = engine.runtime_ops()
+        else:
+            apart_ops = engine.runtime_ops()
+    for step, (together, apart) in enumerate(zip(traces[True], traces[False], strict=True)):
+        for n, (a, b) in enumerate(zip(together, apart, strict=True)):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max(), err_msg=f"step {step}, output {n}")
+    around = int(first == 0) + int(weights.head is not None)  # the embedding and the head
+    assert set(calls[True]) == {1 + around} and set(calls[False]) == {end - first + around}
+    for together, apart in zip(joined_ops, apart_ops, strict=True):
+        for kind in ("GatherMatmul", "FullyConnected", "MatMul"):
+            assert together.get(kind, 0) == apart.get(kind, 0), (kind, together, apart)
+
+
 @pytest.mark.parametrize("mode", ["f32", "bf16", "int8", "int4"])
 def test_expert_banks_compile_to_fused_gather_matmuls(tiny, mode):
     """Routed + shared experts (and dense slices, the iGPU's form) run as fused MoE kernels, not a Tile over all."""

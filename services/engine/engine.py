@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import openvino as ov
 
-from cascadia.engine import graphs, llama_graphs, mapped
+from cascadia.engine import graphs, llama_graphs, mapped, stage_graph
 from cascadia.engine.batch import KeyPlan, Segment, StepPlan, check_segments, plan_step
 from cascadia.engine.far_stack import FarStack
 from cascadia.engine.kv_quant import STORAGE, bytes_per_element
@@ -88,63 +88,60 @@ def _power_of_two_scale(layer: LayerWeights) -> float:
     return 2.0**-exponent
 
 
-@dataclass(frozen=True)
-class _LayerInfo:
-    """What stream state needs of a layer compiled as part of a whole-stage model."""
-
-    index: int
-    attention: AttentionShape
-
-
 class _Layer:
-    def __init__(self, core: ov.Core, shape, weights: LayerWeights, settings: EngineSettings) -> None:
-        self.index = weights.index
-        self.attention = shape.layer_attention(weights.index)
-        split = settings.split_expert_graph
-        residual_cfg = compile_config(settings, settings.residual_compute)
-        build = llama_graphs.layer_graph if shape.family == "llama" else graphs.attention_graph
-        attention_model = build(
-            shape,
-            weights,
-            settings.attention_weights,
-            None if split else settings.expert_weights,
-            kv_type=settings.kv_precision,
-            ffn=settings.ffn_form,
-        )
-        self.attention_model = mapped.compile_model(core, attention_model, settings, residual_cfg)
-        self.attention_request = self.attention_model.create_infer_request()
-        self.expert_request = self.post_request = None
-        self.expert_model = None
-        if split:
-            scale = _power_of_two_scale(weights)
-            try:
-                self.expert_model = mapped.compile_model(
-                    core,
-                    graphs.expert_graph(shape, weights, settings.expert_weights, scale, settings.ffn_form),
-                    settings,
-                    compile_config(settings, settings.expert_compute),
-                )
-            except RuntimeError as exc:
-                raise UnsupportedSettings(
-                    f"layer {weights.index}: the fused experts do not compile on {settings.device} with "
-                    f"expert_compute={settings.expert_compute} ({str(exc).strip().splitlines()[-1]}); "
-                    "f16 arithmetic is the iGPU's, use f32 or bf16 on the CPU"
-                ) from exc
-            self.expert_request = self.expert_model.create_infer_request()
-            post = mapped.compile_model(core, graphs.post_graph(shape, weights, scale), settings, residual_cfg)
-            self.post_request = post.create_infer_request()
+    """What a step needs to know of one layer, and its compiled models when it runs as calls of its own."""
+
+    def __init__(self, shape, index: int) -> None:
+        self.index = index
+        self.attention = shape.layer_attention(index)
         # rotary positions (Llama) or log-scaled queries (Inkling's global layers) need each row's position
         self.needs_query_position = shape.family == "llama" or (
             self.attention.kind == "global" and shape.log_scaling_n_floor is not None
         )
         self.has_convs = shape.has_convs
+        # what a step keeps of the layer besides its output rows
+        self.kept_outputs = ("new_k", "new_v", *(CONV_INPUTS if shape.has_convs else ()))
         self.conv_splits = list(np.cumsum(conv_widths(self.attention, shape.hidden_size))[:-1])
         # Llama has no relative bias, so every cached key is read from the far blocks: no cached band
         self.has_cached_band = shape.family != "llama"
+        self.attention_model: ov.CompiledModel | None = None
+        self.expert_model: ov.CompiledModel | None = None
+        self.attention_request: ov.InferRequest | None = None
+        self.expert_request: ov.InferRequest | None = None
+        self.post_request: ov.InferRequest | None = None
+
+    def compile(self, core: ov.Core, shape, weights: LayerWeights, settings: EngineSettings) -> None:
+        """The layer's own models: attention (with the experts when they share its precision), or
+        attention, experts and the post-expert residual as three."""
+        split = settings.split_expert_graph
+        residual_cfg = compile_config(settings, settings.residual_compute)
+        model = _layer_graph(shape, weights, settings, None if split else settings.expert_weights)
+        self.attention_model = mapped.compile_model(core, model, settings, residual_cfg)
+        self.attention_request = self.attention_model.create_infer_request()
+        if not split:
+            return
+        scale = _power_of_two_scale(weights)
+        try:
+            self.expert_model = mapped.compile_model(
+                core,
+                graphs.expert_graph(shape, weights, settings.expert_weights, scale, settings.ffn_form),
+                settings,
+                compile_config(settings, settings.expert_compute),
+            )
+        except RuntimeError as exc:
+            raise UnsupportedSettings(
+                f"layer {weights.index}: the fused experts do not compile on {settings.device} with "
+                f"expert_compute={settings.expert_compute} ({str(exc).strip().splitlines()[-1]}); "
+                "f16 arithmetic is the iGPU's, use f32 or bf16 on the CPU"
+            ) from exc
+        self.expert_request = self.expert_model.create_infer_request()
+        post = mapped.compile_model(core, graphs.post_graph(shape, weights, scale), settings, residual_cfg)
+        self.post_request = post.create_infer_request()
 
     def run(
         self, inputs: dict[str, np.ndarray | ov.Tensor], hist_m: np.ndarray | None, conv_index: np.ndarray
     ) -> dict[str, np.ndarray]:
+        assert self.attention_request is not None, "a layer of a joined stage runs in the stage's call"
         out = _infer(self.attention_request, inputs)
         if self.expert_request is None:
             return out
@@ -156,11 +153,24 @@ class _Layer:
                 "expert_weight": out["expert_weight"],
             },
         )["expert_out"]
+        assert self.post_request is not None
         post = {"expert_out": expert_out, "residual": out["residual"]}
         if self.has_convs:
             post.update({"conv_hist_m": hist_m, "conv_index": conv_index})
         out.update(_infer(self.post_request, post))
         return out
+
+
+def _layer_graph(shape, weights: LayerWeights, settings: EngineSettings, expert_fmt) -> ov.Model:
+    build = llama_graphs.layer_graph if shape.family == "llama" else graphs.attention_graph
+    return build(
+        shape,
+        weights,
+        settings.attention_weights,
+        expert_fmt,
+        kv_type=settings.kv_precision,
+        ffn=settings.ffn_form,
+    )
 
 
 def _stacked(rows: list[np.ndarray]) -> np.ndarray:
@@ -251,7 +261,14 @@ class StageEngine:
         # a paged Llama stage's graph starts from the token ids itself: one call per step, not two
         paged_llama = self.shape.family == "llama" and not settings.split_expert_graph and settings.paged_attention
         self._embeds_in_stage = self.is_first and paged_llama
-        total = len(weights.layers) + int(self.is_first and not self._embeds_in_stage) + int(self.is_last)
+        # Inkling's layers run as one compiled model when they share one precision (`joined_layers`)
+        self._joined = settings.joined_layers and self.shape.family != "llama" and not settings.split_expert_graph
+        total = (
+            len(weights.layers)
+            + int(self.is_first and not self._embeds_in_stage)
+            + int(self.is_last)
+            + int(self._joined)
+        )
         done = 0
 
         def tick(what: str) -> None:
@@ -268,7 +285,7 @@ class StageEngine:
             )
             self._embed = mapped.compile_model(core, model, settings, residual_cfg).create_infer_request()
             tick("embedding")
-        self._layers: list[_Layer | _LayerInfo] = []
+        self._layers: list[_Layer] = []
         self._stage_model = self._stage_request = None
         self._pool: BlockPool | None = None
         # paged stages: the request that also returns every layer's output (compiled when first asked
@@ -328,11 +345,31 @@ class StageEngine:
                 kv = STORAGE[settings.kv_precision]
                 self._pool = BlockPool(len(weights.layers), a.num_kv_heads, a.head_dim, kv)
             for layer in weights.layers:
-                self._layers.append(_LayerInfo(layer.index, self.shape.layer_attention(layer.index)))
+                self._layers.append(_Layer(self.shape, layer.index))
                 tick(f"layer {layer.index}")
+        elif self._joined:
+            # Inkling's layers in one model: each layer's graph is written out (mapping its weights) as
+            # soon as it is built, so the stage's weights are never all in the heap at once
+            graphs_of_layers = []
+            for layer in weights.layers:
+                self._layers.append(_Layer(self.shape, layer.index))
+                model = _layer_graph(self.shape, layer, settings, settings.expert_weights)
+                if settings.map_weights:
+                    model = mapped.mapped_copy(core, model, settings.device) or model
+                graphs_of_layers.append(model)
+                tick(f"layer {layer.index}")
+            windows = [layer.attention.window for layer in self._layers]
+            self._stage_model = core.compile_model(
+                stage_graph.join_layers(graphs_of_layers, windows), settings.device, residual_cfg
+            )
+            del graphs_of_layers
+            self._stage_request = self._stage_model.create_infer_request()
+            tick("compiled")
         else:
             for layer in weights.layers:
-                self._layers.append(_Layer(core, self.shape, layer, settings))
+                compiled = _Layer(self.shape, layer.index)
+                compiled.compile(core, self.shape, layer, settings)
+                self._layers.append(compiled)
                 tick(f"layer {layer.index}")
         if self.is_last:
 
@@ -369,10 +406,20 @@ class StageEngine:
         return LayerRings(keys, values, convs)
 
     def runtime_ops(self) -> list[dict[str, int]]:
-        """Per compiled layer (or for the whole stage when it is one model), the plugin's executed op types.
+        """Per layer (or for a Llama stage, whose layers share their ops' names, for the whole stage), the
+        plugin's executed op types.
 
         This is how to check which expert fusion formed.
         """
+        if self._joined:
+            assert self._stage_model is not None
+            per_layer: list[dict[str, int]] = [{} for _ in self._layers]
+            for op in self._stage_model.get_runtime_model().get_ops():
+                layer = stage_graph.layer_of(op.get_friendly_name())
+                if layer is not None:
+                    kind = op.get_rt_info()["layerType"].astype(str)
+                    per_layer[layer][kind] = per_layer[layer].get(kind, 0) + 1
+            return per_layer
         counts = []
         groups = (
             [[self._stage_model]]
@@ -546,6 +593,8 @@ class StageEngine:
                 raise ValueError(f"logit rows must lie in [0, {rows}), got {chosen.tolist()}")
         if isinstance(plan, PagedTables):
             hidden, logits = self._run_paged_stage(plan, hidden, trace, chosen)
+        elif self._joined:
+            hidden = self._run_joined(plan, states, hidden, self._step_rings(plan, states), trace)
         elif self._stage_request is not None:
             hidden = self._run_stage(plan, states, hidden, trace)
         else:
@@ -702,6 +751,47 @@ class StageEngine:
         hidden: np.ndarray,
         step_rings: _StepRings,
     ) -> np.ndarray:
+        inputs, hist_m = self._layer_inputs(li, layer, plan, states, step_rings)
+        inputs["hidden"] = hidden
+        out = layer.run(inputs, hist_m, plan.conv_index)
+        self._keep_layer_outputs(li, plan, states, step_rings, out)
+        return out["hidden_out"]
+
+    def _run_joined(
+        self,
+        plan: StepPlan,
+        states: list[StreamState],
+        hidden: np.ndarray,
+        step_rings: _StepRings,
+        trace: list[np.ndarray] | None,
+    ) -> np.ndarray:
+        """Every layer in one call: a layer reads only rows cached before the step, so every layer's
+        inputs are gathered first and every layer's new rows kept after."""
+        assert self._stage_request is not None
+        inputs: dict[str, np.ndarray | ov.Tensor] = {"hidden": hidden}
+        for li, layer in enumerate(self._layers):
+            layer_inputs, _ = self._layer_inputs(li, layer, plan, states, step_rings)
+            window = layer.attention.window
+            inputs.update((stage_graph.stage_name(name, li, window), v) for name, v in layer_inputs.items())
+        wanted = ["hidden_out"]
+        for li, layer in enumerate(self._layers):
+            wanted += [stage_graph.stage_name(name, li, layer.attention.window) for name in layer.kept_outputs]
+        if trace is not None:
+            wanted += [f"layer_out_{li}" for li in range(len(self._layers) - 1)]
+        out = _infer(self._stage_request, inputs, wanted)
+        for li, layer in enumerate(self._layers):
+            window = layer.attention.window
+            kept = {name: out[stage_graph.stage_name(name, li, window)] for name in layer.kept_outputs}
+            self._keep_layer_outputs(li, plan, states, step_rings, kept)
+            if trace is not None:
+                trace.append(out["hidden_out" if li == len(self._layers) - 1 else f"layer_out_{li}"])
+        return out["hidden_out"]
+
+    def _layer_inputs(
+        self, li: int, layer: _Layer, plan: StepPlan, states: list[StreamState], step_rings: _StepRings
+    ) -> tuple[dict[str, np.ndarray | ov.Tensor], np.ndarray | None]:
+        """Layer `li`'s inputs but the residual rows: the step's tables and the streams' cached rows,
+        and the MLP-output conv history (for a layer whose experts run apart)."""
         keys_plan = plan.keys[layer.attention.window]
         rings = self._rings[li]
         past = keys_plan.past_positions
@@ -710,7 +800,6 @@ class StageEngine:
         keys = [] if pooled else _growing([st.layers[li].keys for st in states])
         values = [] if pooled else _growing([st.layers[li].values for st in states])
         inputs: dict[str, np.ndarray | ov.Tensor] = {
-            "hidden": hidden,
             "cell_rows": plan.cell_rows,
             "row_cells": plan.row_cells,
             "key_mask": keys_plan.key_mask,
@@ -742,20 +831,27 @@ class StageEngine:
                 inputs["conv_hist_m"] = hist_m
         if layer.needs_query_position:
             inputs["query_position"] = plan.row_position.astype(np.float32)
-        out = layer.run(inputs, hist_m, plan.conv_index)
+        return inputs, hist_m
+
+    def _keep_layer_outputs(
+        self, li: int, plan: StepPlan, states: list[StreamState], step_rings: _StepRings, out: dict[str, np.ndarray]
+    ) -> None:
+        """Layer `li`'s new keys, values and convolution inputs into the streams' rings and caches."""
+        rings = self._rings[li]
         if rings.convs is not None:
             conv_inputs = np.concatenate([out[name] for name in CONV_INPUTS], 1)
             step_rings.write(rings.convs, plan.row_position, conv_inputs)
         if rings.keys is not None and rings.values is not None:
             step_rings.write(rings.keys, plan.row_position, out["new_k"])
             step_rings.write(rings.values, plan.row_position, out["new_v"])
-        else:
-            for b, (seg, stream_keys, stream_values) in enumerate(zip(plan.segments, keys, values, strict=True)):
-                first = int(plan.row_offset[b])
-                rows = slice(first, first + seg.length)
-                self._write(stream_keys, plan.row_position[rows], out["new_k"][rows])
-                self._write(stream_values, plan.row_position[rows], out["new_v"][rows])
-        return out["hidden_out"]
+            return
+        keys = _growing([st.layers[li].keys for st in states])
+        values = _growing([st.layers[li].values for st in states])
+        for b, (seg, stream_keys, stream_values) in enumerate(zip(plan.segments, keys, values, strict=True)):
+            first = int(plan.row_offset[b])
+            rows = slice(first, first + seg.length)
+            self._write(stream_keys, plan.row_position[rows], out["new_k"][rows])
+            self._write(stream_values, plan.row_position[rows], out["new_v"][rows])
 
     @staticmethod
     def _write(store: RingRows | GrowingRows, positions: np.ndarray, rows: np.ndarray) -> None:
