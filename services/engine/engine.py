@@ -41,7 +41,7 @@ from cascadia.model.checkpoint import LayerWeights, StageWeights
 from cascadia.model.config import AttentionShape
 from cascadia.model.formats import as_float
 
-CONV_INPUTS = ("k_conv_in", "v_conv_in", "o_conv_in", "m_conv_in")  # as their histories lie in a stream's ring
+CONV_INPUTS = stage_graph.CONV_INPUTS  # as their histories lie in a stream's ring
 Progress = Callable[[str, int, int], None]
 
 
@@ -99,8 +99,8 @@ class _Layer:
             self.attention.kind == "global" and shape.log_scaling_n_floor is not None
         )
         self.has_convs = shape.has_convs
-        # what a step keeps of the layer besides its output rows
-        self.kept_outputs = ("new_k", "new_v", *(CONV_INPUTS if shape.has_convs else ()))
+        # what a step keeps of the layer, besides its output rows, when it runs in a joined stage
+        self.joined_outputs = ("new_k", "new_v", *(("conv_in",) if shape.has_convs else ()))
         self.conv_splits = list(np.cumsum(conv_widths(self.attention, shape.hidden_size))[:-1])
         # Llama has no relative bias, so every cached key is read from the far blocks: no cached band
         self.has_cached_band = shape.family != "llama"
@@ -770,28 +770,35 @@ class StageEngine:
         assert self._stage_request is not None
         inputs: dict[str, np.ndarray | ov.Tensor] = {"hidden": hidden}
         for li, layer in enumerate(self._layers):
-            layer_inputs, _ = self._layer_inputs(li, layer, plan, states, step_rings)
+            layer_inputs, _ = self._layer_inputs(li, layer, plan, states, step_rings, joint_history=True)
             window = layer.attention.window
             inputs.update((stage_graph.stage_name(name, li, window), v) for name, v in layer_inputs.items())
         wanted = ["hidden_out"]
         for li, layer in enumerate(self._layers):
-            wanted += [stage_graph.stage_name(name, li, layer.attention.window) for name in layer.kept_outputs]
+            wanted += [stage_graph.stage_name(name, li, layer.attention.window) for name in layer.joined_outputs]
         if trace is not None:
             wanted += [f"layer_out_{li}" for li in range(len(self._layers) - 1)]
         out = _infer(self._stage_request, inputs, wanted)
         for li, layer in enumerate(self._layers):
             window = layer.attention.window
-            kept = {name: out[stage_graph.stage_name(name, li, window)] for name in layer.kept_outputs}
+            kept = {name: out[stage_graph.stage_name(name, li, window)] for name in layer.joined_outputs}
             self._keep_layer_outputs(li, plan, states, step_rings, kept)
             if trace is not None:
                 trace.append(out["hidden_out" if li == len(self._layers) - 1 else f"layer_out_{li}"])
         return out["hidden_out"]
 
     def _layer_inputs(
-        self, li: int, layer: _Layer, plan: StepPlan, states: list[StreamState], step_rings: _StepRings
+        self,
+        li: int,
+        layer: _Layer,
+        plan: StepPlan,
+        states: list[StreamState],
+        step_rings: _StepRings,
+        joint_history: bool = False,
     ) -> tuple[dict[str, np.ndarray | ov.Tensor], np.ndarray | None]:
         """Layer `li`'s inputs but the residual rows: the step's tables and the streams' cached rows,
-        and the MLP-output conv history (for a layer whose experts run apart)."""
+        and the MLP-output conv history (for a layer whose experts run apart). With `joint_history`
+        the four convolution histories are one input `conv_hist`, as a joined stage takes them."""
         keys_plan = plan.keys[layer.attention.window]
         rings = self._rings[li]
         past = keys_plan.past_positions
@@ -819,16 +826,15 @@ class StageEngine:
         if layer.has_convs:
             assert rings.convs is not None and step_rings.history is not None, "a layer with convolutions has rings"
             joint = conv_histories(rings.convs, step_rings.streams, step_rings.history)
-            hist_k, hist_v, hist_o, hist_m = (np.ascontiguousarray(h) for h in np.split(joint, layer.conv_splits, 1))
-            inputs.update(
-                conv_hist_k=hist_k,
-                conv_hist_v=hist_v,
-                conv_hist_o=hist_o,
-                conv_index=plan.conv_index,
-                key_distance=keys_plan.key_distance,
-            )
-            if layer.expert_request is None:
-                inputs["conv_hist_m"] = hist_m
+            inputs.update(conv_index=plan.conv_index, key_distance=keys_plan.key_distance)
+            if joint_history:
+                inputs["conv_hist"] = joint
+            else:
+                parts = np.split(joint, layer.conv_splits, 1)
+                hist_k, hist_v, hist_o, hist_m = (np.ascontiguousarray(part) for part in parts)
+                inputs.update(conv_hist_k=hist_k, conv_hist_v=hist_v, conv_hist_o=hist_o)
+                if layer.expert_request is None:
+                    inputs["conv_hist_m"] = hist_m
         if layer.needs_query_position:
             inputs["query_position"] = plan.row_position.astype(np.float32)
         return inputs, hist_m
@@ -836,11 +842,14 @@ class StageEngine:
     def _keep_layer_outputs(
         self, li: int, plan: StepPlan, states: list[StreamState], step_rings: _StepRings, out: dict[str, np.ndarray]
     ) -> None:
-        """Layer `li`'s new keys, values and convolution inputs into the streams' rings and caches."""
+        """Layer `li`'s new keys, values and convolution inputs (`conv_in` side by side, or each of
+        `CONV_INPUTS`) into the streams' rings and caches."""
         rings = self._rings[li]
         if rings.convs is not None:
-            conv_inputs = np.concatenate([out[name] for name in CONV_INPUTS], 1)
-            step_rings.write(rings.convs, plan.row_position, conv_inputs)
+            joint = out.get("conv_in")
+            if joint is None:
+                joint = np.concatenate([out[name] for name in CONV_INPUTS], 1)
+            step_rings.write(rings.convs, plan.row_position, joint)
         if rings.keys is not None and rings.values is not None:
             step_rings.write(rings.keys, plan.row_position, out["new_k"])
             step_rings.write(rings.values, plan.row_position, out["new_v"])

@@ -15,9 +15,14 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+import numpy as np
 import openvino as ov
 import openvino.opset16 as ops
 
+# a layer's four convolution histories, and its four convolution inputs, as they lie side by side in
+# its stream rings: the joined model takes one history input and gives one output per layer
+CONV_HISTORIES = ("conv_hist_k", "conv_hist_v", "conv_hist_o", "conv_hist_m")
+CONV_INPUTS = ("k_conv_in", "v_conv_in", "o_conv_in", "m_conv_in")
 # tables every layer of a step reads alike
 SHARED_INPUTS = frozenset({"cell_rows", "row_cells", "conv_index", "query_position"})
 # tables of the keys a row sees, one set per window (sliding layers of one width see the same keys)
@@ -46,7 +51,9 @@ def layer_of(op_name: str) -> int | None:
 
 def join_layers(layers: Sequence[ov.Model], windows: Sequence[int | None]) -> ov.Model:
     """One model running `layers` in turn: input `hidden`, outputs each layer's outputs by `stage_name`,
-    `layer_out_{n}` after each layer, and `hidden_out` after the last.
+    `layer_out_{n}` after each layer, and `hidden_out` after the last. A layer's four convolution
+    histories are one input `conv_hist_{n}` and its four convolution inputs one output `conv_in_{n}`,
+    each in the layout of its stream rings (`CONV_HISTORIES`, `CONV_INPUTS`).
 
     The layers' models are consumed (their ops move into the joined model). Their ops' names take the
     prefix `l{n}/`, so a compiled model's ops can still be told apart by layer (`layer_of`).
@@ -61,8 +68,15 @@ def join_layers(layers: Sequence[ov.Model], windows: Sequence[int | None]) -> ov
     for n, (model, window) in enumerate(zip(layers, windows, strict=True)):
         for op in model.get_ops():
             op.set_friendly_name(f"l{n}/{op.get_friendly_name()}")
+        by_name = {param.get_output_tensor(0).get_any_name(): param for param in model.get_parameters()}
+        joint_history = all(name in by_name for name in CONV_HISTORIES)
+        if joint_history:
+            params.append(_joint_histories([by_name[name] for name in CONV_HISTORIES], f"conv_hist_{n}"))
+        conv_inputs: dict[str, ov.Output] = {}
         for param in model.get_parameters():
             name = param.get_output_tensor(0).get_any_name()
+            if joint_history and name in CONV_HISTORIES:
+                continue  # read from the joint history
             if name == "hidden" and previous is not None:
                 param.output(0).replace(previous)
                 continue
@@ -78,6 +92,9 @@ def join_layers(layers: Sequence[ov.Model], windows: Sequence[int | None]) -> ov
         for result in model.get_results():
             output = result.input_value(0)
             name = output.get_any_name()
+            if name in CONV_INPUTS:
+                conv_inputs[name] = output
+                continue
             if name == "hidden_out":
                 previous = output
                 names = {f"layer_out_{n}", "hidden_out"} if n == last else {f"layer_out_{n}"}
@@ -85,4 +102,20 @@ def join_layers(layers: Sequence[ov.Model], windows: Sequence[int | None]) -> ov
                 names = {stage_name(name, n, window)}
             output.get_tensor().set_names(names)
             results.append(ops.result(output))
+        if conv_inputs:
+            joint = ops.concat([conv_inputs[name] for name in CONV_INPUTS], 1)
+            joint.output(0).get_tensor().set_names({f"conv_in_{n}"})
+            results.append(ops.result(joint))
     return ov.Model(results, params, "stage")
+
+
+def _joint_histories(histories: list[ov.Node], name: str) -> ov.Node:
+    """One input [R, sum of widths] in place of a layer's four convolution histories, split in the graph:
+    the host gathers them from the ring in this layout, and need not copy out each one."""
+    widths = [history.get_output_partial_shape(0)[1].get_length() for history in histories]
+    joint = ops.parameter(ov.PartialShape([-1, sum(widths)]), ov.Type.f32, name=name)
+    joint.output(0).get_tensor().set_names({name})
+    parts = ops.variadic_split(joint, ops.constant(np.int64(1)), ops.constant(np.array(widths, dtype=np.int64)))
+    for history, part in zip(histories, parts.outputs(), strict=True):
+        history.output(0).replace(part)
+    return joint
