@@ -194,6 +194,14 @@ def _growing(stores: Sequence[Rows]) -> list[GrowingRows]:
     return caches
 
 
+def _whole_pool(name: str, pool: RingPool) -> dict[str, np.ndarray]:
+    """Input `name`: a ring pool as it is, every slot (and `{name}_params` for u8), read in the graph."""
+    inputs = {name: pool.data}
+    if pool.params is not None:
+        inputs[f"{name}_params"] = pool.params
+    return inputs
+
+
 def _pooled_inputs(name: str, pool: RingPool, streams: np.ndarray, positions: np.ndarray) -> dict[str, np.ndarray]:
     """Input `name` [S, L, Hkv, D] from a ring pool, in one gather (and `{name}_params` for u8)."""
     inputs = {name: pool.read(streams, positions)}
@@ -210,6 +218,16 @@ class _StepRings:
     row_slots: np.ndarray  # [T] each row's stream slot
     row_ends: np.ndarray  # [T] the position after each row's segment
     history: HistorySlots | None  # where the conv histories lie (stages with convolutions)
+
+    def history_cells(self, capacity: int) -> dict[str, np.ndarray]:
+        """The convolution histories' flat ring cells and which of their rows count, as a joined stage
+        reads them (`stage_graph.SHARED_INPUTS`)."""
+        assert self.history is not None
+        cells = stage_graph.ring_cells(self.streams, self.history.slots, capacity).reshape(-1)
+        keep = np.ones((len(cells), 1), dtype=np.float32)
+        if self.history.before_start is not None:
+            keep[self.history.before_start] = 0.0
+        return {"history_cells": cells, "history_keep": keep}
 
     def write(self, pool: RingPool, positions: np.ndarray, rows: np.ndarray) -> None:
         """Every row into its stream's ring; of a segment longer than the ring, only its last `capacity` rows."""
@@ -769,8 +787,12 @@ class StageEngine:
         inputs are gathered first and every layer's new rows kept after."""
         assert self._stage_request is not None
         inputs: dict[str, np.ndarray | ov.Tensor] = {"hidden": hidden}
+        if self.shape.has_convs:
+            convs = self._rings[0].convs  # every conv ring of a stage has one capacity
+            assert convs is not None
+            inputs.update(step_rings.history_cells(convs.capacity))
         for li, layer in enumerate(self._layers):
-            layer_inputs, _ = self._layer_inputs(li, layer, plan, states, step_rings, joint_history=True)
+            layer_inputs, _ = self._layer_inputs(li, layer, plan, states, step_rings, joined=True)
             window = layer.attention.window
             inputs.update((stage_graph.stage_name(name, li, window), v) for name, v in layer_inputs.items())
         wanted = ["hidden_out"]
@@ -794,11 +816,11 @@ class StageEngine:
         plan: StepPlan,
         states: list[StreamState],
         step_rings: _StepRings,
-        joint_history: bool = False,
+        joined: bool = False,
     ) -> tuple[dict[str, np.ndarray | ov.Tensor], np.ndarray | None]:
         """Layer `li`'s inputs but the residual rows: the step's tables and the streams' cached rows,
-        and the MLP-output conv history (for a layer whose experts run apart). With `joint_history`
-        the four convolution histories are one input `conv_hist`, as a joined stage takes them."""
+        and the MLP-output conv history (for a layer whose experts run apart). `joined`: as a joined
+        stage takes them, the ring pools whole with the cells to read (`stage_graph.join_layers`)."""
         keys_plan = plan.keys[layer.attention.window]
         rings = self._rings[li]
         past = keys_plan.past_positions
@@ -812,7 +834,11 @@ class StageEngine:
             "key_mask": keys_plan.key_mask,
         }
         if layer.has_cached_band:
-            if rings.keys is not None and rings.values is not None:
+            if rings.keys is not None and rings.values is not None and joined:
+                inputs["band_cells"] = stage_graph.ring_cells(step_rings.streams, past, rings.keys.capacity)
+                inputs.update(_whole_pool("ring_k", rings.keys))
+                inputs.update(_whole_pool("ring_v", rings.values))
+            elif rings.keys is not None and rings.values is not None:
                 inputs.update(_pooled_inputs("past_k", rings.keys, step_rings.streams, past))
                 inputs.update(_pooled_inputs("past_v", rings.values, step_rings.streams, past))
             else:
@@ -825,11 +851,11 @@ class StageEngine:
         hist_m = None
         if layer.has_convs:
             assert rings.convs is not None and step_rings.history is not None, "a layer with convolutions has rings"
-            joint = conv_histories(rings.convs, step_rings.streams, step_rings.history)
             inputs.update(conv_index=plan.conv_index, key_distance=keys_plan.key_distance)
-            if joint_history:
-                inputs["conv_hist"] = joint
+            if joined:
+                inputs["conv_ring"] = rings.convs.data  # read at the step's `history_cells`
             else:
+                joint = conv_histories(rings.convs, step_rings.streams, step_rings.history)
                 parts = np.split(joint, layer.conv_splits, 1)
                 hist_k, hist_v, hist_o, hist_m = (np.ascontiguousarray(part) for part in parts)
                 inputs.update(conv_hist_k=hist_k, conv_hist_v=hist_v, conv_hist_o=hist_o)
