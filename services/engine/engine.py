@@ -599,11 +599,12 @@ class StageEngine:
                 raise ValueError(
                     f"expected hidden rows of shape ({rows}, {self.shape.hidden_size}), got {hidden.shape}"
                 )
+        longest = max((seg.length for seg in segments), default=0)
         for state in states:
             for layer_state in state.layers:
                 for rows_store in (layer_state.keys, layer_state.values):
                     if isinstance(rows_store, GrowingRows):
-                        rows_store.reserve(state.position + max(s.length for s in segments))
+                        rows_store.reserve(state.position + longest)
         chosen = logits = None
         if self.is_last:
             chosen = np.arange(rows) if logit_rows is None else np.asarray(logit_rows, dtype=np.int64)
