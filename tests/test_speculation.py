@@ -475,6 +475,52 @@ def _generate(model: str, shards: int, speculation: str, prompt_args: list[str],
     return json.loads(run.stdout.strip().splitlines()[-1])["token_ids"]
 
 
+class SlowDrafter:
+    """A draft model that takes as long as a small model's step, and notes how many draft at once."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.running, self.most = seconds, 0, 0
+
+    def draft(self, context, k: int, stream: str) -> list[int]:
+        self.running += 1
+        self.most = max(self.most, self.running)
+        time.sleep(self.seconds)
+        self.running -= 1
+        return [7] * k
+
+    def forget(self, stream: str) -> None:
+        return None
+
+
+def test_a_draft_model_in_the_routers_process_leaves_its_event_loop_free():
+    """The router's in-process proposer runs a draft model in a thread, one proposal at a time: the
+    loop goes on (it takes the pipeline's replies) while two streams' drafts are worked out."""
+    from cascadia.draft.client import LocalProposer
+
+    drafter = SlowDrafter(0.2)
+    local = LocalProposer(HybridProposer(model=drafter))
+
+    async def run() -> tuple[list[tuple[list[int], str]], int]:
+        ticks = 0
+
+        async def ticking() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(ticking())
+        proposals = await asyncio.gather(local.propose("a", [1, 2, 3], 4), local.propose("b", [4, 5, 6], 2))
+        await local.forget("a", share=False)
+        ticker.cancel()
+        return proposals, ticks
+
+    proposals, ticks = asyncio.run(run())
+    assert proposals == [([7] * 4, "model"), ([7] * 2, "model")]
+    assert ticks >= 20  # 0.4 s of drafting at 10 ms a tick; on the loop itself it would be none
+    assert drafter.most == 1
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("shards", [1, 3])
 def test_greedy_output_is_identical_with_speculation_on_smollm(shards):

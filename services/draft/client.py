@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
@@ -25,20 +26,41 @@ class Proposer(Protocol):
 
 
 class LocalProposer:
-    """The hybrid proposer in the router's own process (request-local sources unless given more)."""
+    """The hybrid proposer in the router's own process (request-local sources unless given more).
+
+    A draft model or the shared index in Redis runs off the event loop, as in the draft service: a
+    model's proposal takes as long as a step of a small model, and meanwhile the router's loop must
+    go on taking the pipeline's replies. Proposals and forgets that reach them run one at a time.
+    """
 
     def __init__(self, proposer: HybridProposer | None = None) -> None:
         self.proposer = proposer or HybridProposer()
+        self._lock = asyncio.Lock()
+
+    @property
+    def _blocking(self) -> bool:
+        return self.proposer.model is not None or self.proposer.shared is not None
 
     async def propose(self, stream: str, context: Sequence[int], k: int) -> tuple[list[int], str]:
-        self.proposer.append(stream, context[self.proposer.known(stream) :])
-        return self.proposer.propose(stream, k)
+        if not self._blocking:
+            self.proposer.append(stream, context[self.proposer.known(stream) :])
+            return self.proposer.propose(stream, k)
+        async with self._lock:
+            self.proposer.append(stream, context[self.proposer.known(stream) :])
+            return await asyncio.to_thread(self.proposer.propose, stream, k)
 
     async def observe(self, stream: str, source: str, proposed: int, accepted: int) -> None:
-        self.proposer.observe(source, proposed, accepted)
+        if self.proposer.shared is None:
+            self.proposer.observe(source, proposed, accepted)
+        else:
+            await asyncio.to_thread(self.proposer.observe, source, proposed, accepted)
 
     async def forget(self, stream: str, share: bool) -> None:
-        self.proposer.forget(stream, share)
+        if not self._blocking:
+            self.proposer.forget(stream, share)
+            return
+        async with self._lock:
+            await asyncio.to_thread(self.proposer.forget, stream, share)
 
     async def close(self) -> None:
         return None
