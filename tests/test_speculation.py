@@ -27,6 +27,7 @@ from cascadia.engine.speculation import accept_draft
 from cascadia.model.loader import load_shape, load_stage
 from cascadia.router.local import free_port
 from cascadia.router.scheduler import (
+    PROBE_EVERY,
     Request,
     RoundCosts,
     Scheduler,
@@ -244,6 +245,32 @@ def test_four_streams_stop_drafting_once_the_frames_say_it_does_not_pay():
     assert {w.k for w in s.drafts_wanted()} == {1}  # nothing was proposed: the probe is still open
     _drafted_and_verified(s, "abcd")
     assert s.drafts_wanted() == []
+
+
+def test_a_lone_stream_stops_asking_for_drafts_that_take_longer_than_they_save():
+    """A draft model as slow as the chain (on one machine it shares its cores) costs a lone stream
+    more than its accepted drafts gain; a suffix match that costs nothing still pays. The stream probes
+    now and then, and a cheap probe opens drafting again."""
+    s = _decoding(SchedulerConfig(stages=1, rows_per_group=64, max_draft=4, draft_rows=16), "a", 60)
+    stream = s._active["a"]
+    stream.accepted_ema = 4.0  # every draft accepted
+    for rows, seconds in ((1, 0.0116), (5, 0.0186)):
+        s.round_costs.observe(rows, seconds)
+    (asked,) = s.drafts_wanted()
+    assert asked.k == 4  # how long asking takes is not known yet
+    s.observe_proposal("a", asked.k, 4 * 0.0116)  # a model drafting at the chain's own pace
+    s.set_draft("a", [8, 8, 8, 8])
+    stream.draft = ()
+    assert s.drafts_wanted() == []  # 5 tokens in 63 ms against 1 in 11.6
+    stream.generated += [7] * PROBE_EVERY
+    (probe,) = s.drafts_wanted()
+    assert probe.k == 1
+    s.observe_proposal("a", probe.k, 0.0)  # the probe found a match in the request itself
+    s.set_draft("a", [8])
+    stream.draft = ()
+    s.observe_proposal("a", 1, 0.0)
+    (asked,) = s.drafts_wanted()
+    assert asked.k == 4
 
 
 def _drafted_and_verified(s: Scheduler, streams: str) -> None:

@@ -18,7 +18,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cascadia import tls
 from cascadia.draft.client import Proposer
 from cascadia.frame_stream import FrameStream
-from cascadia.router.scheduler import Emitted, Frame, Request, Scheduler, SchedulerConfig, choose_draft
+from cascadia.router.scheduler import (
+    DraftWanted,
+    Emitted,
+    Frame,
+    Request,
+    Scheduler,
+    SchedulerConfig,
+    choose_draft,
+)
 from cascadia.shard.service import CHANNEL_OPTIONS, pb, rpc
 from cascadia.wire import sampling_message
 
@@ -263,7 +271,7 @@ class PipelineDriver:
             proposals = [([], "")] * len(wanted)
             if self.proposer is not None:
                 try:
-                    proposals = await asyncio.gather(*(self.proposer.propose(w.stream, w.context, w.k) for w in wanted))
+                    proposals = await asyncio.gather(*(self._timed_proposal(w) for w in wanted))
                 except Exception:  # a draft is only ever an optimisation: decode without one
                     log.exception("the proposer failed; this round goes without drafts")
             for w, (tokens, source) in zip(wanted, proposals, strict=True):
@@ -276,6 +284,14 @@ class PipelineDriver:
             self._submit(pb.Frame(frame_id=CLOSE_ONLY_FRAME, closes=self._take_closes()), None)
         for frame in frames:
             self._submit(self._to_proto(frame), frame)
+
+    async def _timed_proposal(self, wanted: DraftWanted) -> tuple[list[int], str]:
+        """The proposer's draft for `wanted`; the scheduler learns how long asking took."""
+        assert self.proposer is not None
+        started = time.perf_counter()
+        proposal = await self.proposer.propose(wanted.stream, wanted.context, wanted.k)
+        self.scheduler.observe_proposal(wanted.stream, wanted.k, time.perf_counter() - started)
+        return proposal
 
     def _take_closes(self) -> list[str]:
         closes, self._closes = self._closes, []

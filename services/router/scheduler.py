@@ -122,6 +122,7 @@ class Emitted:
 
 
 PROBE_EVERY = 16  # tokens a stream whose drafts do not pay generates between one-token probes
+PROPOSAL_SMOOTHING = 0.5  # weight of the newest proposal's time per token
 
 
 @dataclass
@@ -135,6 +136,7 @@ class _Stream:
     draft_source: str = ""
     rewind_to: int | None = None  # positions from here on were rejected drafts
     accepted_ema: float = 1.0  # accepted drafts per verify round, smoothed
+    proposal_s_per_token: float | None = None  # what asking for its drafts takes, per token asked, smoothed
     # tokens generated when the stream last had a draft to verify; a new stream may probe at once
     drafted_at: int = -PROBE_EVERY
     mtp: bool = False  # the last stage's MTP head follows the stream
@@ -287,6 +289,19 @@ def paying_draft(k: int, rows: int, expected: float, costs: RoundCosts) -> int:
     return best if rate(best) > rows / base else 0
 
 
+def proposal_pays(d: int, rows: int, expected: float, proposal_s: float, costs: RoundCosts) -> bool:
+    """Whether a draft of `d` tokens still pays once asking for it is counted: a round's frame waits
+    for its proposals, and a draft model may take about as long as the chain (on one machine it runs
+    on the same cores). One of `rows` streams gains the drafts it accepts (`expected` per round) for
+    `proposal_s` more wait and the frame's `d` more rows. Unmeasured frames, and proposals that took
+    no time, are left to `paying_draft`.
+    """
+    base, drafted = costs.seconds.get(rows), costs.seconds.get(rows + d)
+    if d <= 0 or proposal_s <= 0 or base is None or drafted is None:
+        return d > 0
+    return (rows + min(expected, d)) / (proposal_s + drafted) > rows / base
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
@@ -398,6 +413,9 @@ class Scheduler:
             k = min(draft_length(load, self.config.draft_room, self.config.max_draft, stream.accepted_ema), left - 1)
             k = grown_draft(k, cap, load - 1, self.round_costs)
             paid = paying_draft(k, load, stream.accepted_ema, self.round_costs)
+            asking = paid * (stream.proposal_s_per_token or 0.0)
+            if not proposal_pays(paid, load, stream.accepted_ema, asking, self.round_costs):
+                paid = 0
             # a stream whose drafts stopped paying still tries one now and then: its estimate only
             # changes in rounds that verify drafts, and what it generates may turn into a copy
             if paid == 0 < k and len(stream.generated) - stream.drafted_at >= PROBE_EVERY:
@@ -408,6 +426,14 @@ class Scheduler:
                 wanted.append(DraftWanted(stream.request.id, context, k, stream.mtp_draft[:k]))
             stream.mtp_draft = ()
         return wanted
+
+    def observe_proposal(self, stream_id: RequestId, asked: int, seconds: float) -> None:
+        """How long asking for `asked` drafted tokens took (whatever the draft turned out to be)."""
+        stream = self._active.get(stream_id)
+        if stream is not None and asked > 0:
+            per_token = seconds / asked
+            was = stream.proposal_s_per_token
+            stream.proposal_s_per_token = per_token if was is None else was + PROPOSAL_SMOOTHING * (per_token - was)
 
     def set_draft(self, stream_id: RequestId, tokens: Sequence[int], source: str = "") -> None:
         stream = self._active.get(stream_id)
