@@ -254,13 +254,14 @@ def test_a_lone_stream_stops_asking_for_drafts_that_take_longer_than_they_save()
     s = _decoding(SchedulerConfig(stages=1, rows_per_group=64, max_draft=4, draft_rows=16), "a", 60)
     stream = s._active["a"]
     stream.accepted_ema = 4.0  # every draft accepted
-    for rows, seconds in ((1, 0.0116), (5, 0.0186)):
-        s.round_costs.observe(rows, seconds)
+    s.round_costs.observe(5, 0.0186)
     (asked,) = s.drafts_wanted()
     assert asked.k == 4  # how long asking takes is not known yet
     s.observe_proposal("a", asked.k, 4 * 0.0116)  # a model drafting at the chain's own pace
     s.set_draft("a", [8, 8, 8, 8])
     stream.draft = ()
+    assert s.drafts_wanted() == []  # a frame without drafts was never measured: one goes, and measures it
+    s.round_costs.observe(1, 0.0116)
     assert s.drafts_wanted() == []  # 5 tokens in 63 ms against 1 in 11.6
     stream.generated += [7] * PROBE_EVERY
     (probe,) = s.drafts_wanted()

@@ -293,12 +293,18 @@ def proposal_pays(d: int, rows: int, expected: float, proposal_s: float, costs: 
     """Whether a draft of `d` tokens still pays once asking for it is counted: a round's frame waits
     for its proposals, and a draft model may take about as long as the chain (on one machine it runs
     on the same cores). One of `rows` streams gains the drafts it accepts (`expected` per round) for
-    `proposal_s` more wait and the frame's `d` more rows. Unmeasured frames, and proposals that took
-    no time, are left to `paying_draft`.
+    `proposal_s` more wait and the frame's `d` more rows. Proposals that took no time are left to
+    `paying_draft`. A frame of `rows` not yet measured goes once without the draft, which measures it
+    (a stream that always drafts would never learn what a frame without drafts costs); a frame with
+    the draft not yet measured is drafted once.
     """
-    base, drafted = costs.seconds.get(rows), costs.seconds.get(rows + d)
-    if d <= 0 or proposal_s <= 0 or base is None or drafted is None:
+    if d <= 0 or proposal_s <= 0:
         return d > 0
+    base, drafted = costs.seconds.get(rows), costs.seconds.get(rows + d)
+    if base is None:
+        return False
+    if drafted is None:
+        return True
     return (rows + min(expected, d)) / (proposal_s + drafted) > rows / base
 
 
