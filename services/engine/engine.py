@@ -382,7 +382,7 @@ class StageEngine:
             )
             del graphs_of_layers
             self._stage_request = self._stage_model.create_infer_request()
-            tick("compiled")
+            tick("layers joined")
         else:
             for layer in weights.layers:
                 compiled = _Layer(self.shape, layer.index)
