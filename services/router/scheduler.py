@@ -268,44 +268,34 @@ def grown_draft(k: int, cap: int, other_rows: int, costs: RoundCosts) -> int:
     return costs.widest_at_cost(other_rows + k + 1, other_rows + cap + 1) - other_rows - 1
 
 
-def paying_draft(k: int, rows: int, expected: float, costs: RoundCosts) -> int:
+def paying_draft(k: int, rows: int, expected: float, costs: RoundCosts, proposal_s_per_token: float = 0.0) -> int:
     """Up to `k` drafted tokens for one of `rows` streams sharing a frame, as many as pay; 0 when none do.
 
-    The frame advances each stream by a token. With d drafted rows more it costs
-    `costs[rows + d] / costs[rows]` as much and yields the drafts the stream accepts on top
-    (`expected`, its smoothed count per round). The d with the most tokens per second is kept if that
-    beats the frame without it. A lone stream is left to its acceptance (drafting is how its estimate
-    grows), and sizes not yet measured are drafted, which measures them.
+    The frame advances each stream by a token. With d drafted rows more it costs `costs[rows + d]`
+    instead of `costs[rows]`, plus the wait for the proposal (`proposal_s_per_token` per token asked:
+    the frame waits for its proposals, and a draft model may take about as long as the chain, on one
+    machine on the same cores), and yields the drafts the stream accepts on top (`expected`, its
+    smoothed count per round). The d with the most tokens per second is kept if that beats the frame
+    without it. Frame sizes not yet measured with drafts are drafted, which measures them. When
+    proposals cost nothing, a lone stream is left to its acceptance (drafting is how its estimate
+    grows); when they cost time, a frame of `rows` never measured goes once without drafts, which
+    measures it (a stream that always drafts would never learn what a frame without them costs).
     """
+    asking = proposal_s_per_token > 0
+    if k <= 0 or (rows <= 1 and not asking):
+        return k
     base = costs.seconds.get(rows)
+    if base is None:
+        return 0 if asking else k
     measured = [d for d in range(1, k + 1) if rows + d in costs.seconds]
-    if k <= 0 or rows <= 1 or base is None or not measured:
+    if not measured:
         return k
 
     def rate(d: int) -> float:
-        return (rows + min(expected, d)) / costs.seconds[rows + d]
+        return (rows + min(expected, d)) / (d * proposal_s_per_token + costs.seconds[rows + d])
 
     best = max(measured, key=rate)
     return best if rate(best) > rows / base else 0
-
-
-def proposal_pays(d: int, rows: int, expected: float, proposal_s: float, costs: RoundCosts) -> bool:
-    """Whether a draft of `d` tokens still pays once asking for it is counted: a round's frame waits
-    for its proposals, and a draft model may take about as long as the chain (on one machine it runs
-    on the same cores). One of `rows` streams gains the drafts it accepts (`expected` per round) for
-    `proposal_s` more wait and the frame's `d` more rows. Proposals that took no time are left to
-    `paying_draft`. A frame of `rows` not yet measured goes once without the draft, which measures it
-    (a stream that always drafts would never learn what a frame without drafts costs); a frame with
-    the draft not yet measured is drafted once.
-    """
-    if d <= 0 or proposal_s <= 0:
-        return d > 0
-    base, drafted = costs.seconds.get(rows), costs.seconds.get(rows + d)
-    if base is None:
-        return False
-    if drafted is None:
-        return True
-    return (rows + min(expected, d)) / (proposal_s + drafted) > rows / base
 
 
 class Scheduler:
@@ -418,10 +408,7 @@ class Scheduler:
             cap = min(self.config.max_draft, self.config.draft_room // load - 1, left - 1)
             k = min(draft_length(load, self.config.draft_room, self.config.max_draft, stream.accepted_ema), left - 1)
             k = grown_draft(k, cap, load - 1, self.round_costs)
-            paid = paying_draft(k, load, stream.accepted_ema, self.round_costs)
-            asking = paid * (stream.proposal_s_per_token or 0.0)
-            if not proposal_pays(paid, load, stream.accepted_ema, asking, self.round_costs):
-                paid = 0
+            paid = paying_draft(k, load, stream.accepted_ema, self.round_costs, stream.proposal_s_per_token or 0.0)
             # a stream whose drafts stopped paying still tries one now and then: its estimate only
             # changes in rounds that verify drafts, and what it generates may turn into a copy
             if paid == 0 < k and len(stream.generated) - stream.drafted_at >= PROBE_EVERY:
