@@ -178,21 +178,18 @@ def test_a_stage_joined_into_one_model_equals_its_layers_called_one_by_one(tiny,
     weights = load_stage(tiny, first, end)
     rng = np.random.default_rng(3)
     rows = rng.standard_normal((400, shape.hidden_size)).astype(np.float32)
-    traces, calls = {}, {}
+    traces, calls, ops_of = {}, {}, {}
     for joined in (True, False):
         engine = StageEngine(weights, EngineSettings(kv_precision=kv, joined_layers=joined))
         calls[joined] = []
         traces[joined] = stepped_together(engine, first, lambda n: rows[:n], calls[joined])
-        if joined:
-            joined_ops = engine.runtime_ops()
-        else:
-            apart_ops = engine.runtime_ops()
+        ops_of[joined] = engine.runtime_ops()
     for step, (together, apart) in enumerate(zip(traces[True], traces[False], strict=True)):
         for n, (a, b) in enumerate(zip(together, apart, strict=True)):
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max(), err_msg=f"step {step}, output {n}")
     around = int(first == 0) + int(weights.head is not None)  # the embedding and the head
     assert set(calls[True]) == {1 + around} and set(calls[False]) == {end - first + around}
-    for together, apart in zip(joined_ops, apart_ops, strict=True):
+    for together, apart in zip(ops_of[True], ops_of[False], strict=True):
         for kind in ("GatherMatmul", "FullyConnected", "MatMul"):
             assert together.get(kind, 0) == apart.get(kind, 0), (kind, together, apart)
 

@@ -793,8 +793,13 @@ class StageEngine:
             assert convs is not None
             inputs.update(step_rings.history_cells(convs.capacity))
         for li, layer in enumerate(self._layers):
-            layer_inputs, _ = self._layer_inputs(li, layer, plan, states, step_rings, joined=True)
             window = layer.attention.window
+            band_cells = stage_graph.stage_name("band_cells", li, window)
+            ring = self._rings[li].keys
+            if ring is not None and band_cells not in inputs:  # one table for the sliding layers of a window
+                past = plan.keys[window].past_positions
+                inputs[band_cells] = stage_graph.ring_cells(step_rings.streams, past, ring.capacity)
+            layer_inputs, _ = self._layer_inputs(li, layer, plan, states, step_rings, joined=True)
             inputs.update((stage_graph.stage_name(name, li, window), v) for name, v in layer_inputs.items())
         wanted = ["hidden_out"]
         for li, layer in enumerate(self._layers):
@@ -835,8 +840,7 @@ class StageEngine:
             "key_mask": keys_plan.key_mask,
         }
         if layer.has_cached_band:
-            if rings.keys is not None and rings.values is not None and joined:
-                inputs["band_cells"] = stage_graph.ring_cells(step_rings.streams, past, rings.keys.capacity)
+            if rings.keys is not None and rings.values is not None and joined:  # read at the step's `band_cells`
                 inputs.update(_whole_pool("ring_k", rings.keys))
                 inputs.update(_whole_pool("ring_v", rings.values))
             elif rings.keys is not None and rings.values is not None:

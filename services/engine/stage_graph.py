@@ -14,12 +14,15 @@ the host's per-layer gathers took about a twentieth of a step of the mini preset
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 
 import numpy as np
 import openvino as ov
 import openvino.opset16 as ops
+
+from cascadia.engine.graphs import _i64, _param
 
 # a layer's four convolution histories, and its four convolution inputs, as they lie side by side in
 # its stream rings: the joined model reads the histories from the ring and gives one output per layer
@@ -46,6 +49,7 @@ def window_tag(window: int | None) -> str:
     return "global" if window is None else f"w{window}"
 
 
+@functools.cache  # asked for every input and output of every step
 def stage_name(name: str, layer: int, window: int | None) -> str:
     """The joined model's name for input or output `name` of the stage's `layer`-th graph."""
     if name in SHARED_INPUTS:
@@ -87,9 +91,9 @@ def join_layers(layers: Sequence[ov.Model], windows: Sequence[int | None]) -> ov
     previous: ov.Output | None = None
     last = len(layers) - 1
 
-    def shared_input(name: str, shape: list[int], dtype: ov.Type) -> ov.Node:
+    def shared_input(name: str, shape: list[int], dtype: str) -> ov.Node:
         if name not in shared:
-            shared[name] = _parameter(name, shape, dtype)
+            shared[name] = _param(name, shape, dtype)
             params.append(shared[name])
         return shared[name]
 
@@ -99,19 +103,20 @@ def join_layers(layers: Sequence[ov.Model], windows: Sequence[int | None]) -> ov
         by_name = {param.get_output_tensor(0).get_any_name(): param for param in model.get_parameters()}
         read_from_rings: set[str] = set()
         if all(name in by_name for name in CONV_HISTORIES):
-            cells = shared_input("history_cells", [-1], ov.Type.i32)
-            keep = shared_input("history_keep", [-1, 1], ov.Type.f32)
-            ring = _parameter(f"conv_ring_{n}", [-1, -1, _joint_width(by_name)], ov.Type.f32)
+            cells = shared_input("history_cells", [-1], "i32")
+            keep = shared_input("history_keep", [-1, 1], "f32")
+            ring = _param(stage_name("conv_ring", n, window), [-1, -1, _joint_width(by_name)])
             params.append(ring)
             _split_histories([by_name[name] for name in CONV_HISTORIES], ops.multiply(_gathered(ring, cells), keep))
             read_from_rings.update(CONV_HISTORIES)
         if window is not None:
-            cells = shared_input(stage_name("band_cells", n, window), [-1, -1], ov.Type.i32)
+            cells = shared_input(stage_name("band_cells", n, window), [-1, -1], "i32")
             for name, pool in RING_INPUTS.items():
                 if name in by_name:
                     band = by_name[name]
                     row = [dim.get_length() for dim in list(band.get_output_partial_shape(0))[2:]]
-                    ring = _parameter(stage_name(pool, n, window), [-1, -1, *row], band.get_output_element_type(0))
+                    dtype = band.get_output_element_type(0).get_type_name()
+                    ring = _param(stage_name(pool, n, window), [-1, -1, *row], dtype)
                     params.append(ring)
                     band.output(0).replace(_gathered(ring, cells).output(0))
                     read_from_rings.add(name)
@@ -152,17 +157,10 @@ def join_layers(layers: Sequence[ov.Model], windows: Sequence[int | None]) -> ov
     return ov.Model(results, params, "stage")
 
 
-def _parameter(name: str, shape: list[int], dtype: ov.Type) -> ov.Node:
-    param = ops.parameter(ov.PartialShape(shape), dtype, name=name)
-    param.output(0).get_tensor().set_names({name})
-    return param
-
-
 def _gathered(ring: ov.Node, cells: ov.Node) -> ov.Node:
     """Rows of a ring pool [slots, capacity, *row] at flat cells [...]: [..., *row]."""
     row = [dim.get_length() for dim in list(ring.get_output_partial_shape(0))[2:]]
-    flat = ops.reshape(ring, ops.constant(np.array([-1, *row], dtype=np.int64)), False)
-    return ops.gather(flat, cells, ops.constant(np.int64(0)))
+    return ops.gather(ops.reshape(ring, _i64(-1, *row), False), cells, ops.constant(np.int64(0)))
 
 
 def _joint_width(by_name: dict[str, ov.Node]) -> int:
@@ -172,6 +170,6 @@ def _joint_width(by_name: dict[str, ov.Node]) -> int:
 def _split_histories(histories: list[ov.Node], joint: ov.Node) -> None:
     """The four convolution histories read from one joint [R, sum of widths], split in the graph."""
     widths = [history.get_output_partial_shape(0)[1].get_length() for history in histories]
-    parts = ops.variadic_split(joint, ops.constant(np.int64(1)), ops.constant(np.array(widths, dtype=np.int64)))
+    parts = ops.variadic_split(joint, ops.constant(np.int64(1)), _i64(*widths))
     for history, part in zip(histories, parts.outputs(), strict=True):
         history.output(0).replace(part)
