@@ -990,6 +990,12 @@ def bench_engine(
     expert_kernels: Annotated[
         str, typer.Option(help="Expert kernels to run each precision with: auto (the device's pick), fused, grouped.")
     ] = "auto",
+    layer_calls: Annotated[
+        str,
+        typer.Option(
+            help="How a stage calls its layers: joined (one model, one call per step), apart (one per layer), or both."
+        ),
+    ] = "joined",
 ) -> None:
     """Decode and prefill throughput of the engine against transformers and the bandwidth floor."""
     from cascadia.bench.engine import EngineBenchConfig, run_engine_bench
@@ -999,6 +1005,10 @@ def bench_engine(
     for kernel in kernels:
         if kernel not in EXPERT_KERNELS:
             raise fail(f"--expert-kernels: '{kernel}' is not one of {', '.join(EXPERT_KERNELS)}")
+    calls = tuple(c for c in layer_calls.split(",") if c)
+    for call in calls:
+        if call not in ("joined", "apart"):
+            raise fail(f"--layer-calls: '{call}' is not one of joined, apart")
 
     config = EngineBenchConfig(
         model=model,
@@ -1010,6 +1020,7 @@ def bench_engine(
         oracle=oracle,
         threads=threads,
         expert_kernels=kernels or ("auto",),
+        layer_calls=calls or ("joined",),
     )
     summary = run_engine_bench(config, err)
     sys.stdout.write(json.dumps(summary, indent=2) + "\n")

@@ -56,6 +56,24 @@ def median_ratio(base: list[float], own: list[float]) -> float:
     return statistics.median(b / o for b, o in zip(base, own, strict=True))
 
 
+def test_a_stage_joined_and_called_layer_by_layer_are_timed_round_by_round(tiny, tmp_path):
+    done = cascadia(
+        "bench", "engine", "--model", str(tiny), "--out", str(tmp_path), "--streams", "2", "--precisions", "f32",
+        "--layer-calls", "joined,apart", "--steps", "2", "--repeats", "2", "--no-oracle",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    engines = json.loads((tmp_path / "engine.json").read_text())["engine"]
+    assert {label: entry["joined_layers"] for label, entry in engines.items()} == {"f32": True, "f32 per layer": False}
+    joined, apart = engines["f32"]["decode"]["2"], engines["f32 per layer"]["decode"]["2"]
+    assert apart["paired_vs_f32"] == pytest.approx(median_ratio(joined["rounds_s"], apart["rounds_s"]))
+
+
+def test_an_unknown_layer_call_is_named_in_the_error(tmp_path):
+    done = cascadia("bench", "engine", "--out", str(tmp_path), "--layer-calls", "joined,fused")
+    assert done.returncode == 2
+    assert "'fused' is not one of joined, apart" in done.stderr
+
+
 def test_an_unknown_expert_kernel_is_named_in_the_error(tmp_path):
     done = cascadia("bench", "engine", "--out", str(tmp_path), "--expert-kernels", "fused,gemv")
     assert done.returncode == 2

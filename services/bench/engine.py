@@ -47,6 +47,9 @@ class EngineBenchConfig:
     precisions: tuple[str, ...] = ("f32", "bf16", "int8", "int4")
     # each precision with each of these expert kernels ("auto": the one the device picks)
     expert_kernels: tuple[str, ...] = ("auto",)
+    # and each way of calling a stage's layers: "joined" (one model, one call per step) or "apart"
+    # (one model and call per layer); "apart" entries are labelled "... per layer"
+    layer_calls: tuple[str, ...] = ("joined",)
     steps: int = 16
     repeats: int = 3
     oracle: bool = True
@@ -358,7 +361,13 @@ def run_engine_bench(config: EngineBenchConfig, console: Console) -> dict[str, A
     vocab = shape.unpadded_vocab_size
     weights = load_stage(model_dir, 0, shape.num_layers)
     for mode in config.precisions:
-        labels = {kernel: mode if kernel == "auto" else f"{mode} {kernel}" for kernel in config.expert_kernels}
+        labels = {
+            (kernel, calls): " ".join(
+                [mode, *([kernel] if kernel != "auto" else []), *(["per layer"] if calls == "apart" else [])]
+            )
+            for kernel in config.expert_kernels
+            for calls in config.layer_calls
+        }
         with console.status(f"{mode}: read bandwidth and the device's matrix-vector rate"):
             bandwidth = read_bandwidth()
             matvec = matvec_bandwidth(shape, preset(mode, threads=config.threads))
@@ -369,13 +378,14 @@ def run_engine_bench(config: EngineBenchConfig, console: Console) -> dict[str, A
             f"the device's one-row matmul reads {matvec / 1e9:.1f} GB/s of stored weights"
         )
         engines: dict[str, StageEngine] = {}
-        for kernel, label in labels.items():
+        for (kernel, calls), label in labels.items():
             with console.status(f"compiling {label}"):
-                settings = preset(mode, threads=config.threads, expert_kernel=kernel)
+                settings = preset(mode, threads=config.threads, expert_kernel=kernel, joined_layers=calls == "joined")
                 engines[label] = StageEngine(weights, settings)
             summary["engine"][label] = {
                 "decode": {},
                 "expert_kernel": settings.expert_kernel_path,
+                "joined_layers": engines[label].joined_layers,
                 "fused_ops": engines[label].runtime_ops()[-1],
             }
         beside: dict[str, Any] = {"decode": {}}

@@ -423,6 +423,11 @@ class StageEngine:
             convs = RingPool(self.shape.conv_kernel_size - 1 + slack, (width,))
         return LayerRings(keys, values, convs)
 
+    @property
+    def joined_layers(self) -> bool:
+        """Whether the stage's layers run as one compiled model (the settings ask, and they can)."""
+        return self._joined
+
     def runtime_ops(self) -> list[dict[str, int]]:
         """Per layer (or for a Llama stage, whose layers share their ops' names, for the whole stage), the
         plugin's executed op types.
