@@ -90,6 +90,10 @@ def test_the_device_picks_the_expert_kernel_unless_told():
     # banks read already compressed (a GGUF's blocks) keep the fused kernel unless one is named
     assert EngineSettings().ffn_form.compressed_experts == "fused"
     assert EngineSettings(expert_kernel="grouped").ffn_form.compressed_experts == "grouped"
+    # bf16 experts run typed inside the residual stream's f32 graph; f16 ones (the iGPU's) apart
+    assert preset("bf16").ffn_form.compute == "bf16" and not preset("bf16").split_expert_graph
+    assert EngineSettings().ffn_form.compute == "f32"
+    assert EngineSettings(expert_compute="f16").split_expert_graph
 
 
 def test_an_unknown_expert_kernel_setting_is_refused():

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import openvino as ov
+import openvino.opset16 as ops
 import pytest
+import torch
 
 from cascadia.engine import graphs
 from cascadia.engine.batch import Segment
@@ -111,8 +113,8 @@ def test_weight_only_quantisation_is_exact_end_to_end_on_the_cpu(tiny, mode):
 def test_split_expert_graph_with_power_of_two_rescaling_tracks_the_fused_path(tiny):
     """Experts in a compiled model of their own (as for f16 on the iGPU) give the fused path's result."""
     ids = PROMPTS["long"]
-    settings = EngineSettings(expert_compute="bf16")
-    assert settings.split_expert_graph
+    settings = EngineSettings(expert_compute="f16", expert_kernel="grouped")
+    assert settings.split_expert_graph and not EngineSettings(expert_compute="bf16").split_expert_graph
     fused_layers, fused_logits = run_prompt(whole_model(tiny), ids)
     split_layers, split_logits = run_prompt(whole_model(tiny, settings), ids)
     assert relative_rms(split_layers[0], fused_layers[0]) <= 0.01
@@ -169,18 +171,23 @@ def stepped_together(engine: StageEngine, first: int, rows_in, calls: list[int])
     return traces
 
 
-@pytest.mark.parametrize(("first", "end", "kv"), [(0, 5, "f32"), (0, 5, "u8"), (2, 4, "f32")])
-def test_a_stage_joined_into_one_model_equals_its_layers_called_one_by_one(tiny, first, end, kv):
+@pytest.mark.parametrize(
+    ("first", "end", "kv", "experts"),
+    [(0, 5, "f32", "f32"), (0, 5, "u8", "f32"), (2, 4, "f32", "f32"), (0, 5, "f32", "bf16")],
+)
+def test_a_stage_joined_into_one_model_equals_its_layers_called_one_by_one(tiny, first, end, kv, experts):
     """A stage's layers joined into one compiled model (one call per step) give each layer's outputs
     as the layers compiled and called one by one, first and middle stages, sliding and global layers,
-    prefill windows and decode rows past the far band, with f32 and u8 keys and values."""
+    prefill windows and decode rows past the far band, with f32 and u8 keys and values, and with
+    experts computed in bf16 inside the f32 stage."""
     shape = load_shape(tiny)
     weights = load_stage(tiny, first, end)
     rng = np.random.default_rng(3)
     rows = rng.standard_normal((400, shape.hidden_size)).astype(np.float32)
     traces, calls, ops_of = {}, {}, {}
     for joined in (True, False):
-        engine = StageEngine(weights, EngineSettings(kv_precision=kv, joined_layers=joined))
+        settings = EngineSettings(kv_precision=kv, joined_layers=joined, expert_compute=experts)
+        engine = StageEngine(weights, settings)
         calls[joined] = []
         traces[joined] = stepped_together(engine, first, lambda n: rows[:n], calls[joined])
         ops_of[joined] = engine.runtime_ops()
@@ -201,6 +208,37 @@ def test_expert_banks_compile_to_fused_gather_matmuls(tiny, mode):
     for layer_ops in engine.runtime_ops():
         assert layer_ops.get("GatherMatmul", 0) == 3, layer_ops
         assert "Tile" not in layer_ops and "ScatterElementsUpdate" not in layer_ops
+
+
+def test_values_meant_for_bf16_round_to_nearest_even():
+    """Activations (in the graph) and weights (on the host) go to bf16 rounded to nearest, ties to
+    even, as torch rounds them, where the CPU plugin's own convert drops the low bits."""
+    rng = np.random.default_rng(11)
+    values = (rng.standard_normal((64, 64)) * 3).astype(np.float32)
+    ties = values.view(np.uint32).copy()
+    ties[:8] = (ties[:8] & 0xFFFF0000) | 0x8000  # exactly halfway between two bf16 values
+    values = ties.view(np.float32)
+    expected = torch.from_numpy(values).to(torch.bfloat16).float().numpy()
+    x = ops.parameter([-1, 64], ov.Type.f32, name="x")
+    model = ov.Model([ops.convert(graphs.to_compute(x, "bf16"), "f32")], [x])
+    compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    np.testing.assert_array_equal(compiled({"x": values})[0], expected)
+    np.testing.assert_array_equal(graphs.bf16_rounded(values), expected)
+    assert not np.array_equal(values.view(np.uint32) & 0xFFFF0000, expected.view(np.uint32))
+
+
+@pytest.mark.parametrize("kernel", ["fused", "grouped"])
+def test_bf16_experts_run_in_bf16_inside_the_f32_stage(tiny, kernel):
+    """The bf16 preset's stage is one compiled model: its expert matmuls run in bf16, its attention
+    projections and router in f32."""
+    shape = load_shape(tiny)
+    engine = StageEngine(load_stage(tiny, 0, shape.num_layers), preset("bf16", expert_kernel=kernel))
+    assert engine.joined_layers
+    expert_op = "GatherMatmul" if kernel == "fused" else "FullyConnected"
+    for layer, layer_ops in enumerate(engine.runtime_ops(precisions=True)):
+        if not shape.is_dense(layer):
+            assert layer_ops.get(f"{expert_op}/bf16", 0) >= 2, layer_ops
+        assert layer_ops.get("FullyConnected/f32", 0) >= 2, layer_ops  # q/k/v/r stacked, then o
 
 
 @pytest.mark.parametrize("mode", ["f32", "bf16", "int8", "int4"])
@@ -227,7 +265,7 @@ def test_grouped_experts_equal_the_fused_kernel(tiny, mode):
 
 
 def bank_outputs(weights, settings: EngineSettings, rows: int = 24) -> list[np.ndarray]:
-    """Each sparse layer's expert bank alone, compiled at the settings' expert precision, on the same random rows."""
+    """Each sparse layer's expert bank alone, in the settings' expert precision, on the same random rows."""
     shape = weights.shape
     rng = np.random.default_rng(5)
     x = rng.standard_normal((rows, shape.hidden_size)).astype(np.float32)
@@ -241,7 +279,10 @@ def bank_outputs(weights, settings: EngineSettings, rows: int = 24) -> list[np.n
         if shape.is_dense(layer.index):
             continue
         model = graphs.expert_graph(shape, layer, settings.expert_weights, 1.0, settings.ffn_form)
-        compiled = ov.Core().compile_model(model, settings.device, compile_config(settings, settings.expert_compute))
+        # compiled as the engine compiles it: at the experts' precision when they run apart, else
+        # (bf16 experts typed in the graph) at the residual stream's
+        compute = settings.expert_compute if settings.split_expert_graph else settings.residual_compute
+        compiled = ov.Core().compile_model(model, settings.device, compile_config(settings, compute))
         outputs.append(compiled({"mlp_input": x, "expert_index": index, "expert_weight": weight})["expert_out"])
     return outputs
 

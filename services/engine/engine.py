@@ -428,19 +428,25 @@ class StageEngine:
         """Whether the stage's layers run as one compiled model (the settings ask, and they can)."""
         return self._joined
 
-    def runtime_ops(self) -> list[dict[str, int]]:
+    def runtime_ops(self, precisions: bool = False) -> list[dict[str, int]]:
         """Per layer (or for a Llama stage, whose layers share their ops' names, for the whole stage), the
-        plugin's executed op types.
+        plugin's executed op types, as "type/precision" with `precisions` (the precision each ran in).
 
-        This is how to check which expert fusion formed.
+        This is how to check which expert fusion formed, and in which arithmetic.
         """
+
+        def kind_of(op: ov.Node) -> str:
+            info = op.get_rt_info()
+            kind = info["layerType"].astype(str)
+            return f"{kind}/{info['runtimePrecision'].astype(str)}" if precisions else kind
+
         if self._joined:
             assert self._stage_model is not None
             per_layer: list[dict[str, int]] = [{} for _ in self._layers]
             for op in self._stage_model.get_runtime_model().get_ops():
                 layer = stage_graph.layer_of(op.get_friendly_name())
                 if layer is not None:
-                    kind = op.get_rt_info()["layerType"].astype(str)
+                    kind = kind_of(op)
                     per_layer[layer][kind] = per_layer[layer].get(kind, 0) + 1
             return per_layer
         counts = []
@@ -453,7 +459,7 @@ class StageEngine:
             kinds: dict[str, int] = {}
             for model in models:
                 for op in model.get_runtime_model().get_ops():
-                    kind = op.get_rt_info()["layerType"].astype(str)
+                    kind = kind_of(op)
                     kinds[kind] = kinds.get(kind, 0) + 1
             counts.append(kinds)
         return counts

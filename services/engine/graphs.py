@@ -217,20 +217,23 @@ def rms_norm(x: Node, weight: np.ndarray, eps: float) -> Node:
     return ops.multiply(ops.multiply(x, inv), _f32(weight))
 
 
-def linear(x: Node, weight: Weight, fmt: WeightFormat, name: str) -> Node:
-    return ops.matmul(x, weight_node(weight, fmt, name), transpose_a=False, transpose_b=True)
+def linear(x: Node, weight: Weight, fmt: WeightFormat, name: str, compute: str = "f32") -> Node:
+    """x [.., K] times `weight` [N, K] transposed, in `compute` arithmetic (x is already in it)."""
+    return ops.matmul(x, _weight_in(weight, fmt, name, compute), transpose_a=False, transpose_b=True)
 
 
-def stacked_linear(x: Node, weights: list[Weight], fmt: WeightFormat, name: str) -> list[Node | ov.Output]:
+def stacked_linear(
+    x: Node, weights: list[Weight], fmt: WeightFormat, name: str, compute: str = "f32"
+) -> list[Node | ov.Output]:
     """x times each weight, as one matmul over the stacked rows split after it when they are stored alike.
 
     One compressed matmul instead of several: fewer nodes, each a thread hand-off per step.
     """
     stacked = stack_output_rows(weights)
     if stacked is None:
-        return [linear(x, w, fmt, f"{name}.{n}") for n, w in enumerate(weights)]
+        return [linear(x, w, fmt, f"{name}.{n}", compute) for n, w in enumerate(weights)]
     sizes = ops.constant(np.array([w.shape[0] for w in weights], dtype=np.int64))
-    return list(ops.variadic_split(linear(x, stacked, fmt, name), _i64(-1), sizes).outputs())
+    return list(ops.variadic_split(linear(x, stacked, fmt, name, compute), _i64(-1), sizes).outputs())
 
 
 def short_conv(x: Node, history: Node, index: Node, weight: np.ndarray) -> Node:
@@ -374,43 +377,114 @@ def _routing(shape: ModelShape, layer: LayerWeights, x: Node) -> tuple[Node, Nod
     return ops.concat([chosen, shared_ids], 1), weight
 
 
+def to_compute(x: Node | ov.Output, compute: str) -> Node | ov.Output:
+    """`x` in the banks' arithmetic (`FfnForm.compute`); f32 nodes pass through.
+
+    The CPU plugin's Convert to bf16 drops the low bits, so `x` is first rounded to nearest in f32
+    (Veltkamp's split: with c = (2^16 + 1) x, c + (x - c) keeps the 8 leading bits of x, rounded as
+    f32 arithmetic rounds, to even) and converts exactly.
+    """
+    if compute == "f32":
+        return x
+    spread = ops.multiply(x, _f32(float(2**16 + 1)))
+    return ops.convert(ops.add(spread, ops.subtract(x, spread)), compute)
+
+
+def bf16_rounded(values: np.ndarray) -> np.ndarray:
+    """f32 values rounded to the nearest bf16 (ties to even), still as f32."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return rounded.astype(np.uint32).view(np.float32).reshape(values.shape)
+
+
+def _weight_in(weight: Weight, fmt: WeightFormat, name: str, compute: str) -> Node | ov.Output:
+    """`weight` as a node in `compute` arithmetic.
+
+    f32 weights meant for bf16 are rounded to nearest on the host: the CPU plugin's Convert to bf16
+    (folded into the constant) drops the low bits, which with `to_compute`'s for activations doubled the
+    bf16 modes' error against rounding to nearest.
+    """
+    if compute == "f32":
+        return weight_node(weight, fmt, name)
+    if isinstance(weight, np.ndarray) and fmt == "f32" and compute == "bf16":
+        return ops.convert(ops.constant(bf16_rounded(weight), name=name), compute)
+    return ops.convert(weight_node(weight, fmt, name), compute)
+
+
+def _as_f32(x: Node | ov.Output, compute: str) -> Node | ov.Output:
+    return x if compute == "f32" else ops.convert(x, "f32")
+
+
 def _fused_experts(x: Node, index: Node, weight: Node, gate: Node, up: Node, down: Node, n: int, h: int) -> Node:
     """All experts of the bank in the vectorised form OpenVINO fuses into its MOE primitive.
 
     The graph reads as "every expert on every row, weighted by a dense routing matrix"; the plugin's
-    MoE fusion turns it into a kernel that runs only each row's chosen experts.
+    MoE fusion turns it into a kernel that runs only each row's chosen experts. It computes in `x`'s
+    element type (`weight` and the weights alike).
     """
     flat = ops.reshape(x, _i64(-1, h), False)
     tiled = ops.reshape(ops.tile(flat, _i64(n, 1)), _i64(n, -1, h), False)  # [E, T, H]
     gated = ops.multiply(swish(ops.matmul(tiled, gate, False, True)), ops.matmul(tiled, up, False, True))
     expert_out = ops.reshape(ops.matmul(gated, down, False, True), _i64(n, 1, -1, h), False)  # [E, 1, T, H]
     rows = ops.gather(ops.shape_of(flat, "i64"), _i64(0), _i64(0))
-    dense = ops.broadcast(_f32(0.0), ops.concat([rows, _i64(n)], 0))
+    dense = ops.broadcast(ops.convert_like(_f32(0.0), x), ops.concat([rows, _i64(n)], 0))
     routing = ops.scatter_elements_update(dense, index, weight, ops.constant(np.int64(1)), "none")
     routing = ops.unsqueeze(ops.reshape(ops.transpose(routing, _i64(1, 0)), _i64(n, 1, -1), False), _i64(3))
     combined = ops.reduce_sum(ops.multiply(expert_out, routing), _i64(0), keep_dims=False)  # [1, T, H]
     return ops.reshape(combined, _i64(-1, h), False)
 
 
+def _expert_ranks(flat_ids: Node, n: int) -> tuple[Node, Node]:
+    """For pairs choosing experts `flat_ids` [P]: each pair's rank among the pairs that chose its
+    expert, in pair order [P], and each expert's count [E].
+
+    Cumulative sums over a [P, E] one-hot, where a stable sort of the pairs (a TopK over all of them)
+    took 1.4x as long for the whole bank at 512 rows.
+    """
+    chose = ops.convert(ops.equal(ops.unsqueeze(flat_ids, _i64(1)), ops.constant(np.arange(n, dtype=np.int32))), "i32")
+    counts = ops.reduce_sum(chose, _i64(0), keep_dims=False)
+    before = ops.cumsum(chose, ops.constant(np.int64(0)), exclusive=True)  # [P, E] earlier pairs per expert
+    rank = ops.reduce_sum(ops.multiply(before, chose), _i64(1), keep_dims=False)
+    return rank, counts
+
+
+def _pair_range(flat_ids: Node) -> Node:
+    """0, 1, ..., P - 1 (i32) for pairs [P]."""
+    pairs = ops.squeeze(ops.shape_of(flat_ids, "i32"), _i64(0))
+    return ops.range(ops.constant(np.int32(0)), pairs, ops.constant(np.int32(1)), "i32")
+
+
 def _grouped_experts(
-    x: Node, index: Node, weight: Node, gate: Weight, up: Weight, down: Weight, fmt: WeightFormat, name: str
+    x: Node,
+    index: Node,
+    weight: Node,
+    gate: Weight,
+    up: Weight,
+    down: Weight,
+    fmt: WeightFormat,
+    name: str,
+    compute: str = "f32",
 ) -> Node:
     """The bank with each expert's rows gathered into one matmul per expert.
 
-    The step's (row, expert) pairs are sorted by expert (a stable TopK over all of them) and cut into
-    one block per expert, however many rows chose it (none is an empty block). An expert's weights
-    are then read once per step, where a kernel that runs a matrix-vector product per pair reads them
+    The step's (row, expert) pairs are ordered by expert (a stable counting sort) and cut into one
+    block per expert, however many rows chose it (none is an empty block). An expert's weights are
+    then read once per step, where a kernel that runs a matrix-vector product per pair reads them
     once per row. The activation and the routing weight run once over all pairs between the two
-    matmuls, and each row's outputs are summed back into it with one scatter.
+    matmuls, and each row's outputs are summed back into it with one scatter. With `compute` bf16
+    the matmuls take bf16 inputs; the activation, the routing weights and the sum stay in f32.
     """
     flat_ids = ops.reshape(index, _i64(-1), False)  # [P] expert of each pair, row-major
-    pairs = ops.squeeze(ops.shape_of(flat_ids, "i64"), _i64(0))
-    by_expert = ops.topk(flat_ids, pairs, 0, "min", "value", "i64", stable=True)
-    per_row = ops.gather(ops.shape_of(index, "i64"), _i64(1), _i64(0))
-    rows = ops.divide(by_expert.output(1), per_row)  # [P] the row of each sorted pair
     n = gate.shape[0]
-    chose = ops.equal(ops.unsqueeze(by_expert.output(0), _i64(1)), ops.constant(np.arange(n, dtype=np.int32)))
-    counts = ops.reduce_sum(ops.convert(chose, "i64"), _i64(0), keep_dims=False)  # [E]
+    rank, counts = _expert_ranks(flat_ids, n)
+    starts = ops.cumsum(counts, ops.constant(np.int64(0)), exclusive=True)
+    sorted_slot = ops.add(ops.gather(starts, flat_ids, _i64(0)), rank)  # [P] where each pair goes
+    pair_range = _pair_range(flat_ids)
+    order = ops.scatter_elements_update(
+        ops.broadcast(ops.constant(np.int32(0)), ops.shape_of(flat_ids, "i64")), sorted_slot, pair_range, _i64(0)
+    )  # [P] the pair at each sorted position
+    per_row = ops.gather(ops.shape_of(index, "i32"), _i64(1), _i64(0))  # [1]
+    rows = ops.divide(order, per_row)  # [P] the row of each sorted pair
 
     def per_expert(pairs_in: Node, weights: list[Weight], part: str) -> Node:
         blocks = ops.variadic_split(pairs_in, _i64(0), counts)
@@ -419,17 +493,19 @@ def _grouped_experts(
             sliced = [expert_slice(w, e) for w in weights]
             stacked = stack_output_rows(sliced)
             if stacked is not None:
-                outputs.append(linear(blocks.output(e), stacked, fmt, f"{name}.{e}.{part}"))
+                outputs.append(linear(blocks.output(e), stacked, fmt, f"{name}.{e}.{part}", compute))
             else:  # stored unlike: one matmul each, side by side
-                parts = [linear(blocks.output(e), w, fmt, f"{name}.{e}.{part}.{k}") for k, w in enumerate(sliced)]
+                parts = [
+                    linear(blocks.output(e), w, fmt, f"{name}.{e}.{part}.{k}", compute) for k, w in enumerate(sliced)
+                ]
                 outputs.append(ops.concat(parts, 1))
         return ops.concat(outputs, 0)
 
-    gate_up = per_expert(ops.gather(x, rows, _i64(0)), [gate, up], "gate_up")  # [P, 2I]
-    gated, lifted = ops.split(gate_up, ops.constant(np.int64(1)), 2).outputs()
-    pair_weight = ops.gather(ops.reshape(weight, _i64(-1), False), by_expert.output(1), _i64(0))
+    gate_up = per_expert(ops.gather(to_compute(x, compute), rows, _i64(0)), [gate, up], "gate_up")  # [P, 2I]
+    gated, lifted = ops.split(_as_f32(gate_up, compute), ops.constant(np.int64(1)), 2).outputs()
+    pair_weight = ops.gather(ops.reshape(weight, _i64(-1), False), order, _i64(0))
     mixed = ops.multiply(ops.multiply(swish(gated), lifted), ops.unsqueeze(pair_weight, _i64(1)))
-    outputs = per_expert(mixed, [down], "down")  # [P, H]
+    outputs = _as_f32(per_expert(to_compute(mixed, compute), [down], "down"), compute)  # [P, H]
     zeros = ops.broadcast(_f32(0.0), ops.shape_of(x, "i64"))
     return ops.scatter_nd_update(zeros, ops.unsqueeze(rows, _i64(1)), outputs, "sum")
 
@@ -452,30 +528,41 @@ def _expert_bank(
     i: int,
     h: int,
 ) -> Node:
-    """The experts `index` names for each row, weighted, in the form `ffn` gives the bank."""
-    if _bank_form(gate, fmt, ffn) == "grouped":
-        return _grouped_experts(x, index, weight, gate, up, down, fmt, f"l{i}.experts")
-    gate_node = weight_node(gate, fmt, f"l{i}.experts.gate")
-    up_node = weight_node(up, fmt, f"l{i}.experts.up")
-    down_node = weight_node(down, fmt, f"l{i}.experts.down")
-    return _fused_experts(x, index, weight, gate_node, up_node, down_node, gate.shape[0], h)
+    """The experts `index` names for each row, weighted, in the form `ffn` gives the bank, in f32."""
+    form, compute = _bank_form(gate, fmt, ffn), ffn.compute
+    if form == "grouped":
+        return _grouped_experts(x, index, weight, gate, up, down, fmt, f"l{i}.experts", compute)
+    gate_node = _weight_in(gate, fmt, f"l{i}.experts.gate", compute)
+    up_node = _weight_in(up, fmt, f"l{i}.experts.up", compute)
+    down_node = _weight_in(down, fmt, f"l{i}.experts.down", compute)
+    x_in, weight_in = to_compute(x, compute), to_compute(weight, compute)
+    return _as_f32(_fused_experts(x_in, index, weight_in, gate_node, up_node, down_node, gate.shape[0], h), compute)
 
 
 def _all_active(
-    x: Node, gate: Weight, up: Weight, down: Weight, slice_weight: Node | None, fmt: WeightFormat, name: str
+    x: Node,
+    gate: Weight,
+    up: Weight,
+    down: Weight,
+    slice_weight: Node | None,
+    fmt: WeightFormat,
+    name: str,
+    compute: str = "f32",
 ) -> Node:
-    """Slices every row runs ([S, I, H] gate and up, [S, H, I] down) as plain matmuls over the joined slices.
+    """Slices every row runs ([S, I, H] gate and up, [S, H, I] down) as plain matmuls over the joined
+    slices, the matmuls in `compute` arithmetic, what lies between them and the output in f32.
 
     With `slice_weight` [T, S], each slice's activations are scaled by its row's weight before the
     joined down projection, which then sums the weighted slices.
     """
-    gate_out, up_out = stacked_linear(x, [join_output_rows(gate), join_output_rows(up)], fmt, f"{name}.gate_up")
-    mixed = ops.multiply(swish(gate_out), up_out)  # [T, S * I], slice-major
+    joined = [join_output_rows(gate), join_output_rows(up)]
+    gate_out, up_out = stacked_linear(to_compute(x, compute), joined, fmt, f"{name}.gate_up", compute)
+    mixed = ops.multiply(swish(_as_f32(gate_out, compute)), _as_f32(up_out, compute))  # [T, S * I], slice-major
     if slice_weight is not None:
         slices, width = gate.shape[0], gate.shape[1]
         per_slice = ops.reshape(mixed, _i64(0, slices, width), True)
         mixed = ops.reshape(ops.multiply(per_slice, ops.unsqueeze(slice_weight, _i64(2))), _i64(0, -1), True)
-    return linear(mixed, join_input_columns(down), fmt, f"{name}.down")
+    return _as_f32(linear(to_compute(mixed, compute), join_input_columns(down), fmt, f"{name}.down", compute), compute)
 
 
 def _expert_block(
@@ -501,7 +588,7 @@ def _expert_block(
     bank = layer.experts
     down = bank.down if out_scale == 1.0 else as_float(bank.down) * np.float32(out_scale)
     if layer.router is None and ffn.dense == "matmul":
-        mixed = _all_active(x, bank.gate, bank.up, down, None, fmt, f"l{i}")
+        mixed = _all_active(x, bank.gate, bank.up, down, None, fmt, f"l{i}", ffn.compute)
         if layer.dense_scale != 1.0:
             mixed = ops.multiply(mixed, _f32(layer.dense_scale))
     elif layer.router is not None and ffn.dense == "matmul" and isinstance(bank.gate, np.ndarray):
@@ -511,7 +598,7 @@ def _expert_block(
         routed_weight = ops.slice(weight, _i64(0), _i64(top_k), _i64(1), _i64(1))
         shared_weight = ops.slice(weight, _i64(top_k), _i64(2**62), _i64(1), _i64(1))
         routed = _expert_bank(x, routed_index, routed_weight, bank.gate[:e], bank.up[:e], down[:e], fmt, ffn, i, h)
-        shared = _all_active(x, bank.gate[e:], bank.up[e:], down[e:], shared_weight, fmt, f"l{i}.shared")
+        shared = _all_active(x, bank.gate[e:], bank.up[e:], down[e:], shared_weight, fmt, f"l{i}.shared", ffn.compute)
         mixed = ops.add(routed, shared)
     else:
         mixed = _expert_bank(x, index, weight, bank.gate, bank.up, down, fmt, ffn, i, h)

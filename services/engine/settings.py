@@ -13,6 +13,7 @@ DenseFfn = Literal["auto", "experts", "matmul"]
 DENSE_FFNS: tuple[DenseFfn, ...] = ("auto", "experts", "matmul")
 ExpertKernel = Literal["auto", "fused", "grouped"]
 EXPERT_KERNELS: tuple[ExpertKernel, ...] = ("auto", "fused", "grouped")
+BankForm = Literal["fused", "grouped"]
 LlamaAttention = Literal["auto", "paged", "blocks"]
 LLAMA_ATTENTIONS: tuple[LlamaAttention, ...] = ("auto", "paged", "blocks")
 KV_PRECISIONS: tuple[KvPrecision, ...] = ("f32", "f16", "u8")
@@ -33,11 +34,15 @@ class FfnForm:
     matmul ("grouped").
     `compressed_experts`: the form of a bank whose weights are stored compressed, whether by the
     expert format or as read from the file (a GGUF's blocks); `experts` is then the f32 banks' form.
+    `compute`: the arithmetic of the banks, dense FFNs and shared experts. "bf16" runs them as
+    bf16-typed ops inside the residual stream's f32 graph (inputs and weights converted, outputs back
+    to f32), which the CPU's bf16 matmul kernels take as they are.
     """
 
     dense: Literal["experts", "matmul"] = "experts"
-    experts: Literal["fused", "grouped"] = "fused"
-    compressed_experts: Literal["fused", "grouped"] = "fused"
+    experts: BankForm = "fused"
+    compressed_experts: BankForm = "fused"
+    compute: Literal["f32", "bf16"] = "f32"
 
 
 FUSED_FFN = FfnForm()  # one fused expert path for sparse and dense layers, the iGPU's form
@@ -63,7 +68,7 @@ class EngineSettings:
     # plain matmuls over the joined slices beside the routed bank; "auto" picks per device
     dense_ffn: DenseFfn = "auto"
     # expert banks: "fused" emits the form OpenVINO fuses into its MoE kernel, "grouped" one matmul
-    # per expert over the rows that chose it; "auto" picks per device
+    # per expert over the rows that chose it; "auto" picks per device and precision
     expert_kernel: ExpertKernel = "auto"
     # keys and values as the streams keep them; f16 halves KV memory for long contexts, u8 (a scale
     # and an offset per row and head) takes a little over a quarter
@@ -121,7 +126,7 @@ class EngineSettings:
         return "experts" if self.device.upper().startswith("GPU") else "matmul"
 
     @property
-    def expert_kernel_path(self) -> Literal["fused", "grouped"]:
+    def expert_kernel_path(self) -> BankForm:
         """The expert bank form this device runs.
 
         The CPU plugin's fused kernel (GatherMatmul) runs a matrix-vector product per (row, expert)
@@ -146,7 +151,8 @@ class EngineSettings:
     @property
     def ffn_form(self) -> FfnForm:
         compressed = "fused" if self.expert_kernel == "auto" else self.expert_kernel
-        return FfnForm(self.dense_ffn_path, self.expert_kernel_path, compressed)
+        compute = "bf16" if self.typed_experts else "f32"
+        return FfnForm(self.dense_ffn_path, self.expert_kernel_path, compressed, compute)
 
     @property
     def paged_attention(self) -> bool:
@@ -162,9 +168,19 @@ class EngineSettings:
         return self.device.upper().startswith("CPU") and self.kv_precision != "u8"
 
     @property
+    def typed_experts(self) -> bool:
+        """bf16 experts beside an f32 residual stream run as bf16-typed ops in the stream's own graph.
+
+        bf16 keeps f32's exponent range, so no rescaling guards them, and the CPU's bf16 matmuls take
+        bf16 inputs at an f32 hint: one compiled model (one call per stage) instead of three per layer.
+        """
+        return self.expert_compute == "bf16" and self.residual_compute == "f32"
+
+    @property
     def split_expert_graph(self) -> bool:
-        """Experts at another precision than the residual stream need a compiled model of their own."""
-        return self.expert_compute != self.residual_compute
+        """Experts at another precision than the residual stream need a compiled model of their own
+        (f16, the iGPU's, with power-of-two rescaling), unless they run typed in its graph."""
+        return self.expert_compute != self.residual_compute and not self.typed_experts
 
 
 def preset(name: str, device: str = "CPU", **overrides: object) -> EngineSettings:
