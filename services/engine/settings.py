@@ -138,10 +138,9 @@ class EngineSettings:
         fused MoE kernel. This is the form of banks stored in f32: banks read already compressed (a
         GGUF's blocks) keep the fused kernel unless a kernel is named (`ffn_form`).
 
-        Experts computed in bf16 keep the fused kernel too: the plugin repacks its weights to bf16
-        once, where the grouped matmuls convert the f32 weights at every call (on an AVX-512 BF16 CPU
-        the fused kernel ran 1.35x / 1.30x / 1.03x grouped at 1 / 8 / 32 streams of the mini preset,
-        docs/benchmarks.md "A CPU with AVX-512 BF16").
+        Experts computed in bf16 keep the fused kernel too: on an AVX-512 BF16 CPU it ran 1.3x the
+        grouped bf16 matmuls at one stream of the mini preset and tied them at 32 (0.98x), though
+        grouped prefilled 1.5x as fast (docs/benchmarks.md "bf16 experts inside the stage's graph").
         """
         if self.expert_kernel != "auto":
             return self.expert_kernel
