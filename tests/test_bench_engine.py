@@ -9,7 +9,10 @@ import time
 
 import pytest
 
+from cascadia.bench.engine import step_weight_bytes, uniform_routed
 from cascadia.engine.settings import EngineSettings, preset
+from cascadia.model.config import load_shape
+from cascadia.model.formats import stored_bytes
 from tests.test_cli import cascadia
 
 
@@ -49,7 +52,28 @@ def test_each_expert_kernel_is_measured_under_its_own_label(tiny, tmp_path):
         for result in entry["decode"].values():
             ratio = result["fraction_of_matvec_floor"] / result["fraction_of_floor"]
             assert ratio == pytest.approx(summary["read_bandwidth_bytes_per_s"][label.split()[0]] / matvec)
+    # the floor counts the experts transformers' router chose for the same kind of rows
+    shape = load_shape(tiny)
+    for entry in summary["engine"].values():
+        for count, result in entry["decode"].items():
+            routed = result["floor_routed_experts"]
+            assert result["floor_routing"] == "measured"
+            if count == "1":
+                assert routed == shape.num_experts_per_tok  # one row's top-k are distinct
+            else:
+                assert shape.num_experts_per_tok < routed <= shape.n_routed_experts
     assert (tmp_path / "engine.png").stat().st_size > 0
+
+
+def test_the_floor_reads_each_chosen_expert_once(tiny):
+    shape = load_shape(tiny)
+    sparse = sum(not shape.is_dense(i) for i in range(shape.num_layers))
+    one_expert = 3 * stored_bytes((shape.moe_intermediate_size, shape.hidden_size), "f32")
+    uniform = step_weight_bytes(shape, "f32", 4)
+    assert step_weight_bytes(shape, "f32", 4, uniform_routed(shape, 4)) == pytest.approx(uniform)
+    assert uniform - step_weight_bytes(shape, "f32", 4, 3.0) == pytest.approx(
+        (uniform_routed(shape, 4) - 3.0) * one_expert * sparse
+    )
 
 
 def median_ratio(base: list[float], own: list[float]) -> float:
@@ -66,6 +90,9 @@ def test_a_stage_joined_and_called_layer_by_layer_are_timed_round_by_round(tiny,
     assert {label: entry["joined_layers"] for label, entry in engines.items()} == {"f32": True, "f32 per layer": False}
     joined, apart = engines["f32"]["decode"]["2"], engines["f32 per layer"]["decode"]["2"]
     assert apart["paired_vs_f32"] == pytest.approx(median_ratio(joined["rounds_s"], apart["rounds_s"]))
+    # without transformers beside, the floor assumes uniformly random routing
+    assert joined["floor_routing"] == "uniform"
+    assert joined["floor_routed_experts"] == pytest.approx(uniform_routed(load_shape(tiny), 2))
 
 
 def test_an_unknown_layer_call_is_named_in_the_error(tmp_path):

@@ -110,8 +110,16 @@ def expected_distinct(experts: int, top_k: int, rows: int) -> float:
     return experts * (1.0 - (1.0 - top_k / experts) ** rows)
 
 
-def step_weight_bytes(shape: ModelShape, settings_name: str, streams: int) -> float:
-    """Weight bytes one decode step over `streams` rows must read: each distinct expert once."""
+def uniform_routed(shape: ModelShape, rows: int) -> float:
+    return expected_distinct(shape.n_routed_experts, shape.num_experts_per_tok, rows)
+
+
+def step_weight_bytes(shape: ModelShape, settings_name: str, streams: int, routed: float | None = None) -> float:
+    """Weight bytes one decode step over `streams` rows must read: each distinct expert once.
+
+    `routed`: the distinct routed experts a sparse layer's step chooses, as measured; without it, as
+    many as uniformly random rows would choose.
+    """
     s = preset(settings_name)
     h = shape.hidden_size
     total = 0.0
@@ -124,7 +132,7 @@ def step_weight_bytes(shape: ModelShape, settings_name: str, streams: int) -> fl
             total += stored_bytes((3 * shape.intermediate_size, h), s.expert_weights)
         else:
             one_expert = 3 * stored_bytes((shape.moe_intermediate_size, h), s.expert_weights)
-            touched = expected_distinct(shape.n_routed_experts, shape.num_experts_per_tok, streams)
+            touched = routed if routed is not None else uniform_routed(shape, streams)
             total += one_expert * (touched + shape.n_shared_experts)
             total += 4 * (shape.n_routed_experts + shape.n_shared_experts) * h  # f32 router
     total += stored_bytes((shape.unpadded_vocab_size, h), s.head_weights)
@@ -185,6 +193,17 @@ class Oracle:
         if threads:
             torch.set_num_threads(threads)
         self.model = InklingForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        # routed experts each sparse layer chose per decode step, by stream count (the last round's
+        # mean): what a step must read, where the floor would otherwise assume uniform routing
+        self.routed_experts: dict[int, float] = {}
+        self._choices: list[Any] | None = None  # each router call's expert ids while a round decodes
+        for module in self.model.modules():
+            if type(module).__name__ == "InklingTopkRouter":
+                module.register_forward_hook(self._keep_choice)
+
+    def _keep_choice(self, _module: Any, _inputs: Any, outputs: Any) -> None:
+        if self._choices is not None:
+            self._choices.append(outputs[2])  # (logits, weights, indices, shared gammas); counted after the round
 
     def decode_round(self, streams: int, steps: int, rng: np.random.Generator) -> float:
         import torch
@@ -196,10 +215,14 @@ class Oracle:
             ids = torch.from_numpy(rng.integers(3, vocab, size=(streams, PROMPT_TOKENS)))
             self.model(ids, past_key_values=cache, use_cache=True)
             token = torch.from_numpy(rng.integers(3, vocab, size=(streams, 1)))
+            self._choices = []
             start = time.perf_counter()
             for _ in range(steps):
                 self.model(token, past_key_values=cache, use_cache=True)
-            return time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            self.routed_experts[streams] = statistics.mean(len(torch.unique(ids)) for ids in self._choices)
+            self._choices = None
+            return elapsed
 
     def prefill_round(self, ids: np.ndarray) -> float:
         import torch
@@ -394,9 +417,13 @@ def run_engine_bench(config: EngineBenchConfig, console: Console) -> dict[str, A
                 results, beside["decode"][str(count)] = measure_decode(
                     engines, oracle, count, config.steps, config.repeats, vocab
                 )
-            step_bytes = step_weight_bytes(shape, mode, count)
+            # the experts transformers' router chose for the same kind of rows, when it ran beside
+            routed = oracle.routed_experts.get(count) if oracle is not None else None
+            step_bytes = step_weight_bytes(shape, mode, count, routed)
             floor_s = step_bytes / bandwidth
             for label, result in results.items():
+                result["floor_routed_experts"] = routed if routed is not None else uniform_routed(shape, count)
+                result["floor_routing"] = "measured" if routed is not None else "uniform"
                 result["floor_step_s"] = floor_s
                 result["fraction_of_floor"] = floor_s / result["step_s"]
                 result["fraction_of_matvec_floor"] = step_bytes / matvec / result["step_s"]
