@@ -379,7 +379,7 @@ def _dequantised_oracle(path: Path, settings):
 
 @pytest.mark.parametrize("mode", ["bf16", "int8", "int4"])
 def test_tiny_llama_low_precision_modes_match_the_dequantised_oracle(tiny_llama, mode):
-    """bf16 experts run as their own compiled model (split graph); int8/int4 weights with f32 arithmetic."""
+    """bf16 experts run as bf16-typed ops in the stage's graph; int8/int4 weights with f32 arithmetic."""
     from cascadia.engine.settings import preset
 
     settings = preset(mode)

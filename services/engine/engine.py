@@ -279,7 +279,7 @@ class StageEngine:
         # a paged Llama stage's graph starts from the token ids itself: one call per step, not two
         paged_llama = self.shape.family == "llama" and not settings.split_expert_graph and settings.paged_attention
         self._embeds_in_stage = self.is_first and paged_llama
-        # Inkling's layers run as one compiled model when they share one precision (`joined_layers`)
+        # Inkling's layers run as one compiled model unless the experts run apart (`joined_layers`)
         self._joined = settings.joined_layers and self.shape.family != "llama" and not settings.split_expert_graph
         total = (
             len(weights.layers)

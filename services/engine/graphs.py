@@ -258,7 +258,7 @@ def attention_graph(
     """Norm, attention with its convs, residual, post-attention norm and the FP32 router.
 
     With `expert_fmt` the experts, the MLP-output conv and the residual add join the same model
-    (when experts and residual stream share a compute precision).
+    (unless the experts need a compiled model of their own, `EngineSettings.split_expert_graph`).
     """
     i = layer.index
     a = shape.layer_attention(i)

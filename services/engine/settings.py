@@ -82,8 +82,8 @@ class EngineSettings:
     # streams the ring pools are sized for: they grow by doublings up to this count, and past it only
     # when more streams open (0: by doublings alone, so 88 streams hold 128 slots)
     planned_streams: int = 0
-    # Inkling's layers of a stage as one compiled model, one call per step, when experts and residual
-    # stream share a compute precision; else one model per layer (and three where they do not)
+    # Inkling's layers of a stage as one compiled model, one call per step, unless the experts need a
+    # compiled model of their own (`split_expert_graph`); else one model per layer (three with split experts)
     joined_layers: bool = True
 
     def __post_init__(self) -> None:
