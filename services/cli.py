@@ -31,6 +31,15 @@ def fail(message: str) -> typer.Exit:
     return typer.Exit(2)
 
 
+def listed(value: str, option: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """A comma-separated list of names from `allowed`, or an error naming the option and the first other."""
+    names = tuple(item for item in value.split(",") if item)
+    unknown = [name for name in names if name not in allowed]
+    if unknown:
+        raise fail(f"{option}: '{unknown[0]}' is not one of {', '.join(allowed)}")
+    return names
+
+
 def positive_ints(value: str, option: str) -> tuple[int, ...]:
     """A comma-separated list of positive integers, or an error naming the option and the value."""
     try:
@@ -1001,14 +1010,8 @@ def bench_engine(
     from cascadia.bench.engine import EngineBenchConfig, run_engine_bench
     from cascadia.engine.settings import EXPERT_KERNELS
 
-    kernels = tuple(k for k in expert_kernels.split(",") if k)
-    for kernel in kernels:
-        if kernel not in EXPERT_KERNELS:
-            raise fail(f"--expert-kernels: '{kernel}' is not one of {', '.join(EXPERT_KERNELS)}")
-    calls = tuple(c for c in layer_calls.split(",") if c)
-    for call in calls:
-        if call not in ("joined", "apart"):
-            raise fail(f"--layer-calls: '{call}' is not one of joined, apart")
+    kernels = listed(expert_kernels, "--expert-kernels", EXPERT_KERNELS)
+    calls = listed(layer_calls, "--layer-calls", ("joined", "apart"))
 
     config = EngineBenchConfig(
         model=model,
@@ -1237,10 +1240,7 @@ def bench_spec(
 
     if form not in FORMS:
         raise fail(f"--form '{form}' is not one of {', '.join(FORMS)}")
-    chosen = tuple(f for f in families.split(",") if f) or FAMILIES
-    unknown = [f for f in chosen if f not in FAMILIES]
-    if unknown:
-        raise fail(f"--families: '{unknown[0]}' is not one of {', '.join(FAMILIES)}")
+    chosen = listed(families, "--families", FAMILIES) or FAMILIES
 
     rows = draft_rows or LocalFleet(Path(model), shards).scheduler_config().draft_room
     if max_draft is not None and max_draft >= rows:

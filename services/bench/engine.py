@@ -418,12 +418,13 @@ def run_engine_bench(config: EngineBenchConfig, console: Console) -> dict[str, A
                     engines, oracle, count, config.steps, config.repeats, vocab
                 )
             # the experts transformers' router chose for the same kind of rows, when it ran beside
-            routed = oracle.routed_experts.get(count) if oracle is not None else None
+            measured = oracle.routed_experts.get(count) if oracle is not None else None
+            routed = measured if measured is not None else uniform_routed(shape, count)
             step_bytes = step_weight_bytes(shape, mode, count, routed)
             floor_s = step_bytes / bandwidth
             for label, result in results.items():
-                result["floor_routed_experts"] = routed if routed is not None else uniform_routed(shape, count)
-                result["floor_routing"] = "measured" if routed is not None else "uniform"
+                result["floor_routed_experts"] = routed
+                result["floor_routing"] = "measured" if measured is not None else "uniform"
                 result["floor_step_s"] = floor_s
                 result["fraction_of_floor"] = floor_s / result["step_s"]
                 result["fraction_of_matvec_floor"] = step_bytes / matvec / result["step_s"]

@@ -111,8 +111,8 @@ class _Layer:
         self.post_request: ov.InferRequest | None = None
 
     def compile(self, core: ov.Core, shape, weights: LayerWeights, settings: EngineSettings) -> None:
-        """The layer's own models: attention (with the experts when they share its precision), or
-        attention, experts and the post-expert residual as three."""
+        """The layer's own models: attention with the experts, or (experts that run apart,
+        `EngineSettings.split_expert_graph`) attention, experts and the post-expert residual as three."""
         split = settings.split_expert_graph
         residual_cfg = compile_config(settings, settings.residual_compute)
         model = _layer_graph(shape, weights, settings, None if split else settings.expert_weights)

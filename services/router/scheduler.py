@@ -208,6 +208,11 @@ def speculable(request: Request) -> bool:
     return request.speculate and not params.penalised and not seeded_sampling
 
 
+def smoothed(previous: float | None, newest: float, weight: float) -> float:
+    """An exponential moving average that starts at its first measurement."""
+    return newest if previous is None else previous + weight * (newest - previous)
+
+
 def smoothed_acceptance(previous: float, accepted: int) -> float:
     """Accepted drafts per round, smoothed; a round that accepted none starts again from zero.
 
@@ -241,7 +246,7 @@ class RoundCosts:
 
     def observe(self, rows: int, seconds: float) -> None:
         was = self.seconds.get(rows)
-        self.seconds[rows] = seconds if was is None else was + self.smoothing * (seconds - was)
+        self.seconds[rows] = smoothed(was, seconds, self.smoothing)
 
     def widest_at_cost(self, rows: int, limit: int, tolerance: float = 0.1) -> int:
         """The most rows, up to `limit`, of a frame measured at no more than `tolerance` above the
@@ -424,9 +429,7 @@ class Scheduler:
         """How long asking for `asked` drafted tokens took (whatever the draft turned out to be)."""
         stream = self._active.get(stream_id)
         if stream is not None and asked > 0:
-            per_token = seconds / asked
-            was = stream.proposal_s_per_token
-            stream.proposal_s_per_token = per_token if was is None else was + PROPOSAL_SMOOTHING * (per_token - was)
+            stream.proposal_s_per_token = smoothed(stream.proposal_s_per_token, seconds / asked, PROPOSAL_SMOOTHING)
 
     def set_draft(self, stream_id: RequestId, tokens: Sequence[int], source: str = "") -> None:
         stream = self._active.get(stream_id)
