@@ -1005,6 +1005,13 @@ def bench_engine(
             help="How a stage calls its layers: joined (one model, one call per step), apart (one per layer), or both."
         ),
     ] = "joined",
+    op_times: Annotated[
+        bool,
+        typer.Option(
+            help="Also break a decode step down by op kind at each stream count (the plugin's op timing, "
+            "which costs a little)."
+        ),
+    ] = False,
 ) -> None:
     """Decode and prefill throughput of the engine against transformers and the bandwidth floor."""
     from cascadia.bench.engine import EngineBenchConfig, run_engine_bench
@@ -1024,6 +1031,7 @@ def bench_engine(
         threads=threads,
         expert_kernels=kernels or ("auto",),
         layer_calls=calls or ("joined",),
+        op_times=op_times,
     )
     summary = run_engine_bench(config, err)
     sys.stdout.write(json.dumps(summary, indent=2) + "\n")

@@ -7,12 +7,16 @@ import json
 import statistics
 import time
 
+import numpy as np
 import pytest
 
 from cascadia.bench.engine import step_weight_bytes, uniform_routed
+from cascadia.engine.batch import Segment
+from cascadia.engine.engine import StageEngine
 from cascadia.engine.settings import EngineSettings, preset
 from cascadia.model.config import load_shape
 from cascadia.model.formats import stored_bytes
+from cascadia.model.loader import load_stage
 from tests.test_cli import cascadia
 
 
@@ -93,6 +97,42 @@ def test_a_stage_joined_and_called_layer_by_layer_are_timed_round_by_round(tiny,
     # without transformers beside, the floor assumes uniformly random routing
     assert joined["floor_routing"] == "uniform"
     assert joined["floor_routed_experts"] == pytest.approx(uniform_routed(load_shape(tiny), 2))
+
+
+def test_a_decode_step_is_broken_down_by_op_kind(tiny, tmp_path):
+    done = cascadia(
+        "bench", "engine", "--model", str(tiny), "--out", str(tmp_path), "--streams", "1,3", "--precisions", "f32",
+        "--expert-kernels", "fused,grouped", "--layer-calls", "joined,apart", "--steps", "3", "--repeats", "1",
+        "--no-oracle", "--op-times",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    engines = json.loads((tmp_path / "engine.json").read_text())["engine"]
+    assert set(engines) == {"f32 fused", "f32 grouped", "f32 fused per layer", "f32 grouped per layer"}
+    for label, entry in engines.items():
+        for count in ("1", "3"):
+            breakdown = entry["decode"][count]["op_times"]
+            op_ms = breakdown["op_ms"]
+            assert op_ms and all(v >= 0 for v in op_ms.values())
+            assert breakdown["ops_ms"] == pytest.approx(sum(op_ms.values()))
+            # the ops run inside the step: they cannot take longer than it
+            assert 0 < breakdown["ops_ms"] <= breakdown["step_ms"]
+            kinds = {kind.split("/")[0] for kind in op_ms}
+            # the bank's kernel shows in where the time went: the plugin's fused MoE op, or matmuls
+            assert ("GatherMatmul" in kinds) == label.startswith("f32 fused"), label
+            assert "FullyConnected" in kinds
+
+
+def test_op_times_need_an_engine_that_times_its_ops(tiny):
+    shape = load_shape(tiny)
+    plain = StageEngine(load_stage(tiny, 0, 1), preset("f32"))
+    with pytest.raises(ValueError, match="profile_ops"):
+        plain.op_times()
+    timed = StageEngine(load_stage(tiny, 0, shape.num_layers), preset("f32", profile_ops=True))
+    timed.open("s")
+    timed.step([Segment("s", 0, 4)], np.arange(3, 7))
+    per_kind = timed.op_times()
+    assert per_kind and all(kind.count("/") == 1 for kind in per_kind)
+    assert any(kind.startswith("Gather/") for kind in per_kind)  # the embedding's lookup
 
 
 def test_an_unknown_layer_call_is_named_in_the_error(tmp_path):

@@ -54,6 +54,9 @@ class EngineBenchConfig:
     repeats: int = 3
     oracle: bool = True
     threads: int = 0
+    # compile the engines with the plugin's op timing and break a decode step down by op kind at each
+    # stream count (`op_ms`); the timing costs a little, so the rates of such a run read a bit low
+    op_times: bool = False
 
 
 def read_bandwidth(gib: float = 2.0, threads: int | None = None, repeats: int = 5) -> float:
@@ -167,6 +170,31 @@ def engine_decode_round(engine: StageEngine, vocab: int) -> DecodeRound:
         return elapsed
 
     return run
+
+
+def decode_op_times(engine: StageEngine, streams: int, steps: int, vocab: int) -> dict[str, Any]:
+    """Milliseconds per decode step of `streams` streams, by op kind, beside the step's wall time (means over
+    `steps` steps): what the ops leave over is dispatch and host work."""
+    rng = np.random.default_rng(1)
+    names = [f"t{i}" for i in range(streams)]
+    for name in names:
+        engine.open(name)
+    ids = rng.integers(3, vocab, size=streams * PROMPT_TOKENS)
+    engine.step([Segment(n, 0, PROMPT_TOKENS) for n in names], ids, np.array([PROMPT_TOKENS - 1]))
+    tokens = rng.integers(3, vocab, size=streams)
+    totals: dict[str, float] = {}
+    walls = []
+    for step in range(steps):
+        start = time.perf_counter()
+        engine.step([Segment(n, PROMPT_TOKENS + step, 1) for n in names], tokens)
+        walls.append(time.perf_counter() - start)
+        for kind, seconds in engine.op_times().items():
+            totals[kind] = totals.get(kind, 0.0) + seconds
+    for name in names:
+        engine.close(name)
+    op_ms = {k: 1e3 * v / steps for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
+    step_ms = 1e3 * statistics.fmean(walls)
+    return {"step_ms": step_ms, "ops_ms": sum(op_ms.values()), "op_ms": op_ms}
 
 
 def engine_prefill_round(engine: StageEngine) -> PrefillRound:
@@ -403,7 +431,13 @@ def run_engine_bench(config: EngineBenchConfig, console: Console) -> dict[str, A
         engines: dict[str, StageEngine] = {}
         for (kernel, calls), label in labels.items():
             with console.status(f"compiling {label}"):
-                settings = preset(mode, threads=config.threads, expert_kernel=kernel, joined_layers=calls == "joined")
+                settings = preset(
+                    mode,
+                    threads=config.threads,
+                    expert_kernel=kernel,
+                    joined_layers=calls == "joined",
+                    profile_ops=config.op_times,
+                )
                 engines[label] = StageEngine(weights, settings)
             summary["engine"][label] = {
                 "decode": {},
@@ -434,6 +468,16 @@ def run_engine_bench(config: EngineBenchConfig, console: Console) -> dict[str, A
                     f"{label:12s} {count:3d} streams: {result['tokens_per_s']:8.1f} tok/s "
                     f"({result['fraction_of_floor']:.2f} of the bandwidth floor{versus})"
                 )
+            if config.op_times:
+                for label, engine in engines.items():
+                    with console.status(f"{label}: op times at {count} streams"):
+                        breakdown = decode_op_times(engine, count, config.steps, vocab)
+                    summary["engine"][label]["decode"][str(count)]["op_times"] = breakdown
+                    top = ", ".join(f"{k} {v:.1f}" for k, v in list(breakdown["op_ms"].items())[:4])
+                    console.print(
+                        f"{label:12s} {count:3d} streams: a step {breakdown['step_ms']:.1f} ms, its ops "
+                        f"{breakdown['ops_ms']:.1f} ms ({top})"
+                    )
         with console.status(f"{mode}: prefill"):
             prefill, beside["prefill"] = measure_prefill(engines, oracle, config.repeats, vocab)
         for label, result in prefill.items():

@@ -69,6 +69,8 @@ def compile_config(settings: EngineSettings, compute: str) -> dict[str, str]:
             config["KEY_CACHE_PRECISION"] = config["VALUE_CACHE_PRECISION"] = settings.kv_precision
     if settings.threads:
         config["INFERENCE_NUM_THREADS"] = str(settings.threads)
+    if settings.profile_ops:
+        config["PERF_COUNT"] = "YES"
     return config
 
 
@@ -463,6 +465,28 @@ class StageEngine:
                     kinds[kind] = kinds.get(kind, 0) + 1
             counts.append(kinds)
         return counts
+
+    def op_times(self) -> dict[str, float]:
+        """Seconds the plugin spent per op kind ("type/implementation", e.g. "FullyConnected/gemm_mlas_f32")
+        in the last call of each of the stage's compiled models: for a step, where its time went.
+
+        Needs `EngineSettings.profile_ops`. Time outside the ops (the plugin's dispatch between them,
+        the host's tables and copies) is what a step's wall time leaves over.
+        """
+        if not self.settings.profile_ops:
+            raise ValueError("op times need an engine compiled with profile_ops=True")
+        requests = [self._embed, self._stage_request, self._head]
+        for layer in self._layers:
+            requests += [layer.attention_request, layer.expert_request, layer.post_request]
+        times: dict[str, float] = {}
+        for request in requests:
+            if request is None:
+                continue
+            for op in request.get_profiling_info():
+                if op.status == ov.ProfilingInfo.Status.EXECUTED:
+                    kind = f"{op.node_type}/{op.exec_type}"
+                    times[kind] = times.get(kind, 0.0) + op.real_time.total_seconds()
+        return times
 
     # -- stream lifecycle -------------------------------------------------------------------------
 

@@ -85,6 +85,9 @@ class EngineSettings:
     # Inkling's layers of a stage as one compiled model, one call per step, unless the experts need a
     # compiled model of their own (`split_expert_graph`); else one model per layer (three with split experts)
     joined_layers: bool = True
+    # the plugin times every op of every call (PERF_COUNT), read back by `StageEngine.op_times`; the
+    # timing itself costs a little, so only benchmarks that break a step down ask for it
+    profile_ops: bool = False
 
     def __post_init__(self) -> None:
         for name in ("expert_weights", "attention_weights", "head_weights"):
