@@ -151,23 +151,39 @@ def _median_time(fn: Callable[[], None], repeats: int) -> float:
     return statistics.median(times)
 
 
+def timed_decode_steps(
+    engine: StageEngine,
+    streams: int,
+    steps: int,
+    vocab: int,
+    rng: np.random.Generator,
+    after_step: Callable[[], None] | None = None,
+) -> list[float]:
+    """Seconds of each of `steps` decode steps of `streams` streams, each stream first prefilled with a
+    short prompt; `after_step` runs after each step, outside its time. The streams close at the end."""
+    names = [f"s{i}" for i in range(streams)]
+    for name in names:
+        engine.open(name)
+    ids = rng.integers(3, vocab, size=streams * PROMPT_TOKENS)
+    engine.step([Segment(n, 0, PROMPT_TOKENS) for n in names], ids, np.array([PROMPT_TOKENS - 1]))
+    tokens = rng.integers(3, vocab, size=streams)
+    times = []
+    for step in range(steps):
+        start = time.perf_counter()
+        engine.step([Segment(n, PROMPT_TOKENS + step, 1) for n in names], tokens)
+        times.append(time.perf_counter() - start)
+        if after_step is not None:
+            after_step()
+    for name in names:
+        engine.close(name)
+    return times
+
+
 def engine_decode_round(engine: StageEngine, vocab: int) -> DecodeRound:
     """Seconds for `steps` decode steps of `streams` streams, each first prefilled with a short prompt."""
 
     def run(streams: int, steps: int, rng: np.random.Generator) -> float:
-        names = [f"s{i}" for i in range(streams)]
-        for name in names:
-            engine.open(name)
-        ids = rng.integers(3, vocab, size=streams * PROMPT_TOKENS)
-        engine.step([Segment(n, 0, PROMPT_TOKENS) for n in names], ids, np.array([PROMPT_TOKENS - 1]))
-        tokens = rng.integers(3, vocab, size=streams)
-        start = time.perf_counter()
-        for step in range(steps):
-            engine.step([Segment(n, PROMPT_TOKENS + step, 1) for n in names], tokens)
-        elapsed = time.perf_counter() - start
-        for name in names:
-            engine.close(name)
-        return elapsed
+        return sum(timed_decode_steps(engine, streams, steps, vocab, rng))
 
     return run
 
@@ -179,26 +195,15 @@ def decode_op_times(engine: StageEngine, streams: int, steps: int, vocab: int) -
     The op times are the plugin's own timers. On the mini preset they added up to 0.7-1.1 times the
     step's wall time, so they say where a step's time goes, not to the millisecond what is left over.
     """
-    rng = np.random.default_rng(1)
-    names = [f"t{i}" for i in range(streams)]
-    for name in names:
-        engine.open(name)
-    ids = rng.integers(3, vocab, size=streams * PROMPT_TOKENS)
-    engine.step([Segment(n, 0, PROMPT_TOKENS) for n in names], ids, np.array([PROMPT_TOKENS - 1]))
-    tokens = rng.integers(3, vocab, size=streams)
     totals: dict[str, float] = {}
-    walls = []
-    for step in range(steps):
-        start = time.perf_counter()
-        engine.step([Segment(n, PROMPT_TOKENS + step, 1) for n in names], tokens)
-        walls.append(time.perf_counter() - start)
+
+    def add_op_times() -> None:
         for kind, seconds in engine.op_times().items():
             totals[kind] = totals.get(kind, 0.0) + seconds
-    for name in names:
-        engine.close(name)
+
+    walls = timed_decode_steps(engine, streams, steps, vocab, np.random.default_rng(1), add_op_times)
     op_ms = {k: 1e3 * v / steps for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
-    step_ms = 1e3 * statistics.fmean(walls)
-    return {"step_ms": step_ms, "ops_ms": sum(op_ms.values()), "op_ms": op_ms}
+    return {"step_ms": 1e3 * statistics.fmean(walls), "ops_ms": sum(op_ms.values()), "op_ms": op_ms}
 
 
 def engine_prefill_round(engine: StageEngine) -> PrefillRound:
