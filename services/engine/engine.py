@@ -470,8 +470,9 @@ class StageEngine:
         """Seconds the plugin spent per op kind ("type/implementation", e.g. "FullyConnected/gemm_mlas_f32")
         in the last call of each of the stage's compiled models: for a step, where its time went.
 
-        Needs `EngineSettings.profile_ops`. Time outside the ops (the plugin's dispatch between them,
-        the host's tables and copies) is what a step's wall time leaves over.
+        Needs `EngineSettings.profile_ops`. The step's wall time less these is, roughly, what lies
+        outside the ops (the plugin taking in new shapes between them, the host's tables and copies):
+        the plugin's timers can also add up to more than the wall time.
         """
         if not self.settings.profile_ops:
             raise ValueError("op times need an engine compiled with profile_ops=True")
