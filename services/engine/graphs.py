@@ -12,7 +12,7 @@ the host by `batch.plan_step` and fed in, so one compiled model serves any mix o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import openvino as ov
@@ -23,7 +23,7 @@ from cascadia.engine.kv_quant import PARAMS
 from cascadia.engine.settings import FUSED_FFN, FfnForm
 from cascadia.engine.state import KV_BLOCK
 from cascadia.engine.weights import Quantized, Weight, WeightFormat, weight_node
-from cascadia.model.checkpoint import LayerWeights
+from cascadia.model.checkpoint import ExpertWeights, LayerWeights
 from cascadia.model.config import ModelShape
 from cascadia.model.formats import (
     as_float,
@@ -449,15 +449,7 @@ def _expert_ranks(flat_ids: Node, n: int) -> tuple[Node, Node]:
 
 
 def _grouped_experts(
-    x: Node,
-    index: Node,
-    weight: Node,
-    gate: Weight,
-    up: Weight,
-    down: Weight,
-    fmt: WeightFormat,
-    name: str,
-    compute: str = "f32",
+    x: Node, index: Node, weight: Node, bank: ExpertWeights, fmt: WeightFormat, name: str, compute: str = "f32"
 ) -> Node:
     """The bank with each expert's rows gathered into one matmul per expert.
 
@@ -469,7 +461,7 @@ def _grouped_experts(
     the matmuls take bf16 inputs; the activation, the routing weights and the sum stay in f32.
     """
     flat_ids = ops.reshape(index, _i64(-1), False)  # [P] expert of each pair, row-major
-    n = gate.shape[0]
+    n = bank.gate.shape[0]
     rank, counts = _expert_ranks(flat_ids, n)
     starts = ops.cumsum(counts, ops.constant(np.int64(0)), exclusive=True)
     sorted_slot = ops.add(ops.gather(starts, flat_ids, _i64(0)), rank)  # [P] where each pair goes
@@ -496,11 +488,11 @@ def _grouped_experts(
                 outputs.append(ops.concat(parts, 1))
         return ops.concat(outputs, 0)
 
-    gate_up = per_expert(ops.gather(to_compute(x, compute), rows, _i64(0)), [gate, up], "gate_up")  # [P, 2I]
+    gate_up = per_expert(ops.gather(to_compute(x, compute), rows, _i64(0)), [bank.gate, bank.up], "gate_up")  # [P, 2I]
     gated, lifted = ops.split(_as_f32(gate_up, compute), ops.constant(np.int64(1)), 2).outputs()
     pair_weight = ops.gather(ops.reshape(weight, _i64(-1), False), order, _i64(0))
     mixed = ops.multiply(ops.multiply(swish(gated), lifted), ops.unsqueeze(pair_weight, _i64(1)))
-    outputs = _as_f32(per_expert(to_compute(mixed, compute), [down], "down"), compute)  # [P, H]
+    outputs = _as_f32(per_expert(to_compute(mixed, compute), [bank.down], "down"), compute)  # [P, H]
     zeros = ops.broadcast(_f32(0.0), ops.shape_of(x, "i64"))
     return ops.scatter_nd_update(zeros, ops.unsqueeze(rows, _i64(1)), outputs, "sum")
 
@@ -512,37 +504,22 @@ def _bank_form(weight: Weight, fmt: WeightFormat, ffn: FfnForm) -> str:
 
 
 def _expert_bank(
-    x: Node,
-    index: Node,
-    weight: Node,
-    gate: Weight,
-    up: Weight,
-    down: Weight,
-    fmt: WeightFormat,
-    ffn: FfnForm,
-    i: int,
-    h: int,
+    x: Node, index: Node, weight: Node, bank: ExpertWeights, fmt: WeightFormat, ffn: FfnForm, i: int, h: int
 ) -> Node:
     """The experts `index` names for each row, weighted, in the form `ffn` gives the bank, in f32."""
-    form, compute = _bank_form(gate, fmt, ffn), ffn.compute
+    form, compute = _bank_form(bank.gate, fmt, ffn), ffn.compute
     if form == "grouped":
-        return _grouped_experts(x, index, weight, gate, up, down, fmt, f"l{i}.experts", compute)
-    gate_node = _weight_in(gate, fmt, f"l{i}.experts.gate", compute)
-    up_node = _weight_in(up, fmt, f"l{i}.experts.up", compute)
-    down_node = _weight_in(down, fmt, f"l{i}.experts.down", compute)
+        return _grouped_experts(x, index, weight, bank, fmt, f"l{i}.experts", compute)
+    gate, up, down = (
+        _weight_in(w, fmt, f"l{i}.experts.{part}", compute)
+        for w, part in ((bank.gate, "gate"), (bank.up, "up"), (bank.down, "down"))
+    )
     x_in, weight_in = to_compute(x, compute), to_compute(weight, compute)
-    return _as_f32(_fused_experts(x_in, index, weight_in, gate_node, up_node, down_node, gate.shape[0], h), compute)
+    return _as_f32(_fused_experts(x_in, index, weight_in, gate, up, down, bank.gate.shape[0], h), compute)
 
 
 def _all_active(
-    x: Node,
-    gate: Weight,
-    up: Weight,
-    down: Weight,
-    slice_weight: Node | None,
-    fmt: WeightFormat,
-    name: str,
-    compute: str = "f32",
+    x: Node, bank: ExpertWeights, slice_weight: Node | None, fmt: WeightFormat, name: str, compute: str = "f32"
 ) -> Node:
     """Slices every row runs ([S, I, H] gate and up, [S, H, I] down) as plain matmuls over the joined
     slices, the matmuls in `compute` arithmetic, what lies between them and the output in f32.
@@ -550,14 +527,15 @@ def _all_active(
     With `slice_weight` [T, S], each slice's activations are scaled by its row's weight before the
     joined down projection, which then sums the weighted slices.
     """
-    joined = [join_output_rows(gate), join_output_rows(up)]
+    joined = [join_output_rows(bank.gate), join_output_rows(bank.up)]
     gate_out, up_out = stacked_linear(to_compute(x, compute), joined, fmt, f"{name}.gate_up", compute)
     mixed = ops.multiply(swish(_as_f32(gate_out, compute)), _as_f32(up_out, compute))  # [T, S * I], slice-major
     if slice_weight is not None:
-        slices, width = gate.shape[0], gate.shape[1]
+        slices, width = bank.gate.shape[0], bank.gate.shape[1]
         per_slice = ops.reshape(mixed, _i64(0, slices, width), True)
         mixed = ops.reshape(ops.multiply(per_slice, ops.unsqueeze(slice_weight, _i64(2))), _i64(0, -1), True)
-    return _as_f32(linear(to_compute(mixed, compute), join_input_columns(down), fmt, f"{name}.down", compute), compute)
+    down = join_input_columns(bank.down)
+    return _as_f32(linear(to_compute(mixed, compute), down, fmt, f"{name}.down", compute), compute)
 
 
 def _expert_block(
@@ -581,9 +559,10 @@ def _expert_block(
     """
     i, h = layer.index, shape.hidden_size
     bank = layer.experts
-    down = bank.down if out_scale == 1.0 else as_float(bank.down) * np.float32(out_scale)
+    if out_scale != 1.0:
+        bank = replace(bank, down=as_float(bank.down) * np.float32(out_scale))
     if layer.router is None and ffn.dense == "matmul":
-        mixed = _all_active(x, bank.gate, bank.up, down, None, fmt, f"l{i}", ffn.compute)
+        mixed = _all_active(x, bank, None, fmt, f"l{i}", ffn.compute)
         if layer.dense_scale != 1.0:
             mixed = ops.multiply(mixed, _f32(layer.dense_scale))
     elif layer.router is not None and ffn.dense == "matmul" and isinstance(bank.gate, np.ndarray):
@@ -592,11 +571,13 @@ def _expert_block(
         routed_index = ops.slice(index, _i64(0), _i64(top_k), _i64(1), _i64(1))
         routed_weight = ops.slice(weight, _i64(0), _i64(top_k), _i64(1), _i64(1))
         shared_weight = ops.slice(weight, _i64(top_k), _i64(2**62), _i64(1), _i64(1))
-        routed = _expert_bank(x, routed_index, routed_weight, bank.gate[:e], bank.up[:e], down[:e], fmt, ffn, i, h)
-        shared = _all_active(x, bank.gate[e:], bank.up[e:], down[e:], shared_weight, fmt, f"l{i}.shared", ffn.compute)
+        routed_bank = ExpertWeights(bank.gate[:e], bank.up[:e], bank.down[:e])
+        shared_bank = ExpertWeights(bank.gate[e:], bank.up[e:], bank.down[e:])
+        routed = _expert_bank(x, routed_index, routed_weight, routed_bank, fmt, ffn, i, h)
+        shared = _all_active(x, shared_bank, shared_weight, fmt, f"l{i}.shared", ffn.compute)
         mixed = ops.add(routed, shared)
     else:
-        mixed = _expert_bank(x, index, weight, bank.gate, bank.up, down, fmt, ffn, i, h)
+        mixed = _expert_bank(x, index, weight, bank, fmt, ffn, i, h)
     if residual is None:
         return [], [_named(mixed, "expert_out")]
     if layer.mlp_conv is None:  # Llama-family: the FFN output joins the residual directly
