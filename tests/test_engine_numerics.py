@@ -96,6 +96,22 @@ def test_low_precision_layers_stay_within_one_percent_of_the_dequantised_oracle(
     assert relative_rms(result.logits, ref_logits) <= 0.01
 
 
+def test_a_head_stored_in_f32_runs_in_bf16_when_asked_and_a_compressed_one_stays_f32(tiny):
+    """The bf16 preset's head: its matmul in bf16 (logits within 1% of the f32 head's, not equal to
+    them); an int8 head is left in f32 arithmetic whatever the setting says."""
+    weights = load_stage(tiny, 0, load_shape(tiny).num_layers)
+    ids = PROMPTS["long"]
+    assert preset("bf16").head_compute == "bf16"
+    _, bf16_head = run_prompt(StageEngine(weights, preset("bf16")), ids)
+    _, f32_head = run_prompt(StageEngine(weights, preset("bf16", head_compute="f32")), ids)
+    assert 0 < relative_rms(bf16_head, f32_head) <= 0.01
+    _, int8 = run_prompt(StageEngine(weights, preset("int8")), ids)
+    _, int8_asked_bf16 = run_prompt(StageEngine(weights, preset("int8", head_compute="bf16")), ids)
+    np.testing.assert_array_equal(int8_asked_bf16, int8)
+    with pytest.raises(ValueError, match="head_compute 'f16' is not one of f32, bf16"):
+        EngineSettings(head_compute="f16")  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("mode", ["f16", "int8", "int4"])
 def test_weight_only_quantisation_is_exact_end_to_end_on_the_cpu(tiny, mode):
     """With f32 arithmetic, compressed weights give the dequantised oracle's logits and greedy ids."""

@@ -330,7 +330,11 @@ class StageEngine:
 
                 def stage(w: StageWeights, layer_outputs: bool) -> ov.Model:
                     # the last stage ends in the head too: one call per step, not two
-                    head = llama_graphs.StageHead(w.final_norm, w.head, settings.head_weights) if is_last else None
+                    head = None
+                    if is_last:
+                        head = llama_graphs.StageHead(
+                            w.final_norm, w.head, settings.head_weights, settings.head_compute
+                        )
                     embed = None
                     if embeds_in_stage:
                         embed = llama_graphs.StageEmbed(w.embed, w.embed_norm, settings.head_weights)
@@ -394,7 +398,9 @@ class StageEngine:
         if self.is_last:
 
             def head_model(w: StageWeights) -> ov.CompiledModel:
-                model = graphs.head_graph(shape, w.final_norm, w.head, settings.head_weights)
+                model = graphs.head_graph(
+                    shape, w.final_norm, w.head, settings.head_weights, compute=settings.head_compute
+                )
                 return mapped.compile_model(core, model, settings, residual_cfg)
 
             self._compile_head = lambda: head_model(again())

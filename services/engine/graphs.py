@@ -636,19 +636,35 @@ def embed_graph(embed: Weight, embed_norm: np.ndarray | None, eps: float, fmt: W
 
 
 def head_graph(
-    shape: ModelShape, final_norm: np.ndarray | None, head: Weight, fmt: WeightFormat, vocab: int | None = None
+    shape: ModelShape,
+    final_norm: np.ndarray | None,
+    head: Weight,
+    fmt: WeightFormat,
+    vocab: int | None = None,
+    compute: str = "f32",
 ) -> ov.Model:
     """Final norm, division by the muP width multiplier, head, and the slice to the first `vocab` ids
     (default: the unpadded vocabulary). The MTP head's draft logits use it with no norm."""
     hidden = _param("hidden", [-1, shape.hidden_size])
-    logits = head_logits(shape, hidden, final_norm, head, fmt, vocab)
+    logits = head_logits(shape, hidden, final_norm, head, fmt, vocab, compute)
     return ov.Model([ops.result(_named(logits, "logits"))], [hidden], "head")
 
 
 def head_logits(
-    shape: ModelShape, x: Node, final_norm: np.ndarray | None, head: Weight, fmt: WeightFormat, vocab: int | None = None
+    shape: ModelShape,
+    x: Node,
+    final_norm: np.ndarray | None,
+    head: Weight,
+    fmt: WeightFormat,
+    vocab: int | None = None,
+    compute: str = "f32",
 ) -> Node:
-    """The nodes of `head_graph` on final states `x`."""
+    """The nodes of `head_graph` on final states `x`: the norm and the logits in f32, the head's matmul
+    in `compute` arithmetic when the head is stored in f32 (its constant then holds bf16 values). A
+    head stored compressed keeps f32 arithmetic: the CPU decompresses it faster to f32 (SmolLM2's
+    u8-block head in bf16 decoded 64 tok/s against 69)."""
+    if isinstance(head, Quantized) or fmt != "f32":
+        compute = "f32"
     if final_norm is not None:
         x = rms_norm(x, final_norm, shape.rms_norm_eps)
     if shape.logits_mup_width_multiplier != 1.0:
@@ -656,7 +672,7 @@ def head_logits(
     vocab = shape.unpadded_vocab_size if vocab is None else vocab
     if vocab < head.shape[0]:
         head = head[:vocab] if isinstance(head, np.ndarray) else head.map_blocks(lambda a: a[:vocab])
-    return linear(x, head, fmt, "head")
+    return _as_f32(linear(to_compute(x, compute), head, fmt, "head", compute), compute)
 
 
 def mtp_input_graph(

@@ -280,7 +280,8 @@ def paged_stage_graph(
         logit_rows = _param("logit_rows", [-1], "i32")
         params.append(logit_rows)
         chosen = ops.gather(x, logit_rows, _i64(0))
-        results.append(_named(graphs.head_logits(shape, chosen, head.final_norm, head.weight, head.fmt), "logits"))
+        logits = graphs.head_logits(shape, chosen, head.final_norm, head.weight, head.fmt, compute=head.compute)
+        results.append(_named(logits, "logits"))
     return ov.Model([ops.result(n) for n in results], params, "stage_llama_paged")
 
 
@@ -300,3 +301,4 @@ class StageHead:
     final_norm: np.ndarray | None
     weight: graphs.Weight
     fmt: WeightFormat
+    compute: str = "f32"  # the head matmul's arithmetic (`EngineSettings.head_compute`)

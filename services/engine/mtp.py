@@ -69,7 +69,7 @@ class MtpHead:
             block = StageWeights(shape, k, k + 1, (depth.block,), None, None, None, None)
             self.blocks.append(StageEngine(block, settings))
             tick(f"MTP depth {k} block")
-        logits = graphs.head_graph(shape, None, weights.head, settings.head_weights, self.vocab)
+        logits = graphs.head_graph(shape, None, weights.head, settings.head_weights, self.vocab, settings.head_compute)
         self._logits = mapped.compile_model(core, logits, settings, cfg).create_infer_request()
         tick("MTP head")
 

@@ -18,6 +18,7 @@ LlamaAttention = Literal["auto", "paged", "blocks"]
 LLAMA_ATTENTIONS: tuple[LlamaAttention, ...] = ("auto", "paged", "blocks")
 KV_PRECISIONS: tuple[KvPrecision, ...] = ("f32", "f16", "u8")
 COMPUTE_PRECISIONS: tuple[Compute, ...] = ("f32", "bf16", "f16")
+HEAD_COMPUTES = ("f32", "bf16")
 PRECISION_PRESETS = ("f32", "bf16", "f16", "int8", "int4")
 
 DEFAULT_CONTEXT = 1024
@@ -57,6 +58,10 @@ class EngineSettings:
     # the experts' graph; the residual stream (norms, attention, router, convs) has its own
     expert_compute: Compute = "f32"
     residual_compute: Compute = "f32"
+    # the arithmetic of a head stored in f32 ("bf16": typed inside its f32 graph, as bf16 experts are;
+    # the norm and the logits stay f32). At 32 rows of the mini preset the f32 head cost as much as
+    # every attention projection of the stage together
+    head_compute: Literal["f32", "bf16"] = "f32"
     context: int = DEFAULT_CONTEXT  # global-layer positions per stream
     rewind_slack: int = 32  # positions a stream can step back on sliding layers and convs
     threads: int = 0  # 0: the plugin's default
@@ -96,6 +101,8 @@ class EngineSettings:
         for name in ("expert_compute", "residual_compute"):
             if getattr(self, name) not in COMPUTE_PRECISIONS:
                 raise ValueError(f"{name} '{getattr(self, name)}' is not one of {', '.join(COMPUTE_PRECISIONS)}")
+        if self.head_compute not in HEAD_COMPUTES:
+            raise ValueError(f"head_compute '{self.head_compute}' is not one of {', '.join(HEAD_COMPUTES)}")
         if not 1 <= self.context <= MAX_CONTEXT:
             raise ValueError(f"context {self.context} must be between 1 and {MAX_CONTEXT} positions")
         if self.kv_precision not in KV_PRECISIONS:
@@ -197,7 +204,7 @@ def preset(name: str, device: str = "CPU", **overrides: object) -> EngineSetting
     low: Compute = "f16" if gpu else "f32"
     table: dict[str, EngineSettings] = {
         "f32": EngineSettings(device=device),
-        "bf16": EngineSettings(device=device, expert_compute="bf16"),
+        "bf16": EngineSettings(device=device, expert_compute="bf16", head_compute="bf16"),
         "f16": EngineSettings(
             device=device,
             expert_weights="f16",
