@@ -80,6 +80,23 @@ def test_the_floor_reads_each_chosen_expert_once(tiny):
     )
 
 
+def test_the_floor_reads_weights_computed_in_bf16_as_two_bytes_a_value(tiny):
+    """bf16 arithmetic folds f32-stored experts and head into bf16 constants: the step reads half their bytes."""
+    shape = load_shape(tiny)
+    h = shape.hidden_size
+    per_routed = {
+        mode: step_weight_bytes(shape, mode, 4, 4.0) - step_weight_bytes(shape, mode, 4, 3.0)
+        for mode in ("f32", "bf16")
+    }
+    assert per_routed["bf16"] == pytest.approx(per_routed["f32"] / 2)
+    f32_only = step_weight_bytes(shape, "f32", 4, 3.0) - step_weight_bytes(shape, "bf16", 4, 3.0)
+    head = stored_bytes((shape.unpadded_vocab_size, h), "f32")
+    dense = sum(shape.is_dense(i) for i in range(shape.num_layers)) * 3 * shape.intermediate_size * h * 4
+    sparse = sum(not shape.is_dense(i) for i in range(shape.num_layers))
+    experts = sparse * (3.0 + shape.n_shared_experts) * 3 * shape.moe_intermediate_size * h * 4
+    assert f32_only == pytest.approx((head + dense + experts) / 2)
+
+
 def median_ratio(base: list[float], own: list[float]) -> float:
     return statistics.median(b / o for b, o in zip(base, own, strict=True))
 

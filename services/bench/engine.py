@@ -26,7 +26,7 @@ from rich.console import Console
 from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine, compile_config
 from cascadia.engine.settings import EngineSettings, preset
-from cascadia.engine.weights import stored_bytes
+from cascadia.engine.weights import WeightFormat, stored_bytes
 from cascadia.model.config import ModelShape, load_shape
 from cascadia.model.loader import load_stage
 
@@ -124,6 +124,7 @@ def step_weight_bytes(shape: ModelShape, settings_name: str, streams: int, route
     many as uniformly random rows would choose.
     """
     s = preset(settings_name)
+    experts = read_format(s.expert_weights, s.ffn_form.compute)
     h = shape.hidden_size
     total = 0.0
     for i in range(shape.num_layers):
@@ -132,14 +133,20 @@ def step_weight_bytes(shape: ModelShape, settings_name: str, streams: int, route
             total += stored_bytes((rows, cols), s.attention_weights)
         total += stored_bytes((h, a.q_width), s.attention_weights)
         if shape.is_dense(i):
-            total += stored_bytes((3 * shape.intermediate_size, h), s.expert_weights)
+            total += stored_bytes((3 * shape.intermediate_size, h), experts)
         else:
-            one_expert = 3 * stored_bytes((shape.moe_intermediate_size, h), s.expert_weights)
+            one_expert = 3 * stored_bytes((shape.moe_intermediate_size, h), experts)
             touched = routed if routed is not None else uniform_routed(shape, streams)
             total += one_expert * (touched + shape.n_shared_experts)
             total += 4 * (shape.n_routed_experts + shape.n_shared_experts) * h  # f32 router
-    total += stored_bytes((shape.unpadded_vocab_size, h), s.head_weights)
+    total += stored_bytes((shape.unpadded_vocab_size, h), read_format(s.head_weights, s.head_compute))
     return total
+
+
+def read_format(stored: WeightFormat, compute: str) -> WeightFormat:
+    """The format whose bytes a matmul reads: f32 weights computed in bf16 are folded into bf16
+    constants, two bytes a value like f16's."""
+    return "f16" if stored == "f32" and compute == "bf16" else stored
 
 
 def _median_time(fn: Callable[[], None], repeats: int) -> float:
