@@ -199,8 +199,9 @@ def decode_op_times(engine: StageEngine, streams: int, steps: int, vocab: int) -
     """Milliseconds per decode step of `streams` streams, by op kind, beside the step's wall time (means over
     `steps` steps).
 
-    The op times are the plugin's own timers. On the mini preset they added up to 0.7-1.1 times the
-    step's wall time, so they say where a step's time goes, not to the millisecond what is left over.
+    The op times are the plugin's own timers. On the mini preset they added up to 0.7-1.7 times the
+    step's wall time, differing from process to process, so they say roughly where a step's time goes,
+    not what each op costs nor what is left over (a native profile places it better).
     """
     totals: dict[str, float] = {}
 

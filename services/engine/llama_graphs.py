@@ -35,7 +35,7 @@ from cascadia.engine.graphs import (
     stacked_linear,
 )
 from cascadia.engine.paged import PAGE
-from cascadia.engine.settings import FUSED_FFN, FfnForm
+from cascadia.engine.settings import FUSED_FFN, FfnForm, HeadCompute
 from cascadia.engine.state import KV_BLOCK
 from cascadia.engine.weights import WeightFormat
 from cascadia.model.config import ModelShape
@@ -301,4 +301,4 @@ class StageHead:
     final_norm: np.ndarray | None
     weight: graphs.Weight
     fmt: WeightFormat
-    compute: str = "f32"  # the head matmul's arithmetic (`EngineSettings.head_compute`)
+    compute: HeadCompute = "f32"  # the head matmul's arithmetic (`EngineSettings.head_compute`)

@@ -18,7 +18,8 @@ LlamaAttention = Literal["auto", "paged", "blocks"]
 LLAMA_ATTENTIONS: tuple[LlamaAttention, ...] = ("auto", "paged", "blocks")
 KV_PRECISIONS: tuple[KvPrecision, ...] = ("f32", "f16", "u8")
 COMPUTE_PRECISIONS: tuple[Compute, ...] = ("f32", "bf16", "f16")
-HEAD_COMPUTES = ("f32", "bf16")
+HeadCompute = Literal["f32", "bf16"]
+HEAD_COMPUTES: tuple[HeadCompute, ...] = ("f32", "bf16")
 PRECISION_PRESETS = ("f32", "bf16", "f16", "int8", "int4")
 
 DEFAULT_CONTEXT = 1024
@@ -61,7 +62,7 @@ class EngineSettings:
     # the arithmetic of a head stored in f32 ("bf16": typed inside its f32 graph, as bf16 experts are;
     # the norm and the logits stay f32). At 32 rows of the mini preset the f32 head cost as much as
     # every attention projection of the stage together
-    head_compute: Literal["f32", "bf16"] = "f32"
+    head_compute: HeadCompute = "f32"
     context: int = DEFAULT_CONTEXT  # global-layer positions per stream
     rewind_slack: int = 32  # positions a stream can step back on sliding layers and convs
     threads: int = 0  # 0: the plugin's default
