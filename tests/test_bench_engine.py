@@ -66,6 +66,17 @@ def test_each_expert_kernel_is_measured_under_its_own_label(tiny, tmp_path):
                 assert routed == shape.num_experts_per_tok  # one row's top-k are distinct
             else:
                 assert shape.num_experts_per_tok < routed <= shape.n_routed_experts
+    # the machine it ran on, and how much of each step's weights its last-level cache could hold
+    machine = summary["machine"]
+    assert machine["device"] == "CPU" and machine["logical_cpus"] >= 1
+    assert "FP32" in machine["device_capabilities"] and machine["versions"]["openvino"].startswith("2026.4.1")
+    for label, entry in summary["engine"].items():
+        bandwidth = summary["read_bandwidth_bytes_per_s"][label.split()[0]]
+        for result in entry["decode"].values():
+            assert result["step_weight_bytes"] == pytest.approx(result["floor_step_s"] * bandwidth)
+            if machine["last_level_cache_bytes"] is not None:
+                share = min(1.0, machine["last_level_cache_bytes"] / result["step_weight_bytes"])
+                assert result["cache_share_of_step_bytes"] == pytest.approx(share)
     assert (tmp_path / "engine.png").stat().st_size > 0
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
+from cascadia.bench.machine import cache_share, describe, machine_summary
 from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine, compile_config
 from cascadia.engine.settings import EngineSettings, preset
@@ -418,8 +419,11 @@ def run_engine_bench(config: EngineBenchConfig, console: Console) -> dict[str, A
         # stored weight bytes per second of the device's one-row matmul (`matvec_bandwidth`)
         "matvec_bytes_per_s": {},
         "params": sum(shape.layer_parameter_count(i) for i in range(shape.num_layers)),
+        "machine": machine_summary(),
         "engine": {},
     }
+    console.print(describe(summary["machine"]))
+    cache_bytes = summary["machine"]["last_level_cache_bytes"]
     oracle = None
     if config.oracle:
         with console.status("loading transformers f32"):
@@ -477,6 +481,9 @@ def run_engine_bench(config: EngineBenchConfig, console: Console) -> dict[str, A
                 result["floor_routed_experts"] = routed
                 result["floor_routing"] = "measured" if measured is not None else "uniform"
                 result["floor_step_s"] = floor_s
+                result["step_weight_bytes"] = step_bytes
+                # how much of what a step reads the last-level cache could keep between steps, at best
+                result["cache_share_of_step_bytes"] = cache_share(step_bytes, cache_bytes)
                 result["fraction_of_floor"] = floor_s / result["step_s"]
                 result["fraction_of_matvec_floor"] = step_bytes / matvec / result["step_s"]
                 summary["engine"][label]["decode"][str(count)] = result
