@@ -202,7 +202,8 @@ def decode_op_times(engine: StageEngine, streams: int, steps: int, vocab: int) -
 
     The op times are the plugin's own timers. On the mini preset they added up to 0.7-1.7 times the
     step's wall time on an AMD EPYC and 0.6-2.6 times on a Xeon with AMX, differing from process to
-    process, so they say roughly where a step's time goes, not what each op costs nor what is left over (a native profile places it better).
+    process, so they say roughly where a step's time goes, not what each op costs nor what is left
+    over (a native profile places it better).
     """
     totals: dict[str, float] = {}
 
