@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from cascadia.bench.machine import cache_share, cache_size_bytes, cpu_flags, last_level_cache_bytes
+from cascadia.bench.machine import (
+    cache_share,
+    cache_size_bytes,
+    cpu_flags,
+    cpu_model_name,
+    last_level_cache_bytes,
+    read_cpuinfo,
+)
 
 
 @pytest.mark.parametrize(
@@ -52,5 +59,8 @@ def test_the_cache_holds_at_most_the_whole_step():
 def test_only_the_kernel_deciding_flags_are_kept_in_their_order(tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("model name\t: Some CPU\nflags\t\t: fpu amx_int8 sse avx2 avx512f amx_bf16\n\nflags : other\n")
-    assert cpu_flags(cpuinfo) == ["avx2", "avx512f", "amx_bf16", "amx_int8"]
-    assert cpu_flags(tmp_path / "missing") == []
+    text = read_cpuinfo(cpuinfo)
+    assert cpu_model_name(text) == "Some CPU"
+    assert cpu_flags(text) == ["avx2", "avx512f", "amx_bf16", "amx_int8"]
+    missing = read_cpuinfo(tmp_path / "missing")
+    assert missing == "" and cpu_flags(missing) == [] and cpu_model_name(missing) is None

@@ -43,23 +43,26 @@ def last_level_cache_bytes(cache_dir: Path = SYSFS_CACHE) -> int | None:
     return best[1] if best is not None else None
 
 
-def cpu_model_name(cpuinfo: Path = CPUINFO) -> str | None:
+def read_cpuinfo(cpuinfo: Path = CPUINFO) -> str:
+    """The kernel's CPU description; empty where there is none (another OS, a sandbox)."""
     try:
-        text = cpuinfo.read_text()
+        return cpuinfo.read_text()
     except OSError:
-        return None
-    match = re.search(r"^model name\s*:\s*(.+)$", text, re.MULTILINE)
+        return ""
+
+
+def _first_cpu_field(cpuinfo: str, name: str) -> str | None:
+    match = re.search(rf"^{name}\s*:\s*(.+)$", cpuinfo, re.MULTILINE)
     return match.group(1).strip() if match else None
 
 
-def cpu_flags(cpuinfo: Path = CPUINFO, wanted: tuple[str, ...] = KERNEL_FLAGS) -> list[str]:
+def cpu_model_name(cpuinfo: str) -> str | None:
+    return _first_cpu_field(cpuinfo, "model name")
+
+
+def cpu_flags(cpuinfo: str, wanted: tuple[str, ...] = KERNEL_FLAGS) -> list[str]:
     """Which of `wanted` the first CPU's flags list, in `wanted`'s order."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return []
-    match = re.search(r"^flags\s*:\s*(.+)$", text, re.MULTILINE)
-    flags = set(match.group(1).split()) if match else set()
+    flags = set((_first_cpu_field(cpuinfo, "flags") or "").split())
     return [flag for flag in wanted if flag in flags]
 
 
@@ -84,9 +87,10 @@ def machine_summary(device: str = "CPU") -> dict[str, Any]:
     import openvino as ov
 
     core = ov.Core()
+    cpuinfo = read_cpuinfo()
     return {
-        "cpu": cpu_model_name(),
-        "cpu_flags": cpu_flags(),
+        "cpu": cpu_model_name(cpuinfo),
+        "cpu_flags": cpu_flags(cpuinfo),
         "logical_cpus": os.cpu_count(),
         "last_level_cache_bytes": last_level_cache_bytes(),
         "device": device,
