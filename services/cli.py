@@ -31,6 +31,25 @@ def fail(message: str) -> typer.Exit:
     return typer.Exit(2)
 
 
+@app.callback()
+def choose_cpu_kernels(
+    cpu_amx: Annotated[
+        str,
+        typer.Option(
+            envvar="CASCADIA_CPU_AMX",
+            help="Whether the CPU plugin may run matmuls on AMX tiles: auto (not for decode-bound serving), on, off. "
+            "Fixed per process and inherited by the processes it starts.",
+        ),
+    ] = "auto",
+) -> None:
+    from cascadia.engine.cpu_isa import apply_amx_choice
+
+    try:
+        apply_amx_choice(cpu_amx)
+    except (ValueError, RuntimeError) as exc:
+        raise fail(f"--cpu-amx: {exc}") from None
+
+
 def listed(value: str, option: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
     """A comma-separated list of names from `allowed`, or an error naming the option and the first other."""
     names = tuple(item for item in value.split(",") if item)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import statistics
 import time
 
@@ -12,6 +13,7 @@ import pytest
 
 from cascadia.bench.engine import OTHER_OPS, op_breakdowns, step_weight_bytes, uniform_routed
 from cascadia.engine.batch import Segment
+from cascadia.engine.cpu_isa import AMX_FLAGS, ONEDNN_ISA_VARIABLE, cpu_flags, isa_cap, read_cpuinfo
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.settings import EngineSettings, preset
 from cascadia.model.config import load_shape
@@ -70,6 +72,8 @@ def test_each_expert_kernel_is_measured_under_its_own_label(tiny, tmp_path):
     machine = summary["machine"]
     assert machine["device"] == "CPU" and machine["logical_cpus"] >= 1
     assert "FP32" in machine["device_capabilities"] and machine["versions"]["openvino"].startswith("2026.4.1")
+    amx_cap = isa_cap("auto", cpu_flags(read_cpuinfo(), AMX_FLAGS), os.environ)
+    assert machine["onednn_max_cpu_isa"] == (amx_cap or os.environ.get(ONEDNN_ISA_VARIABLE) or None)
     for label, entry in summary["engine"].items():
         bandwidth = summary["read_bandwidth_bytes_per_s"][label.split()[0]]
         for result in entry["decode"].values():

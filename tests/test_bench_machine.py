@@ -7,10 +7,7 @@ import pytest
 from cascadia.bench.machine import (
     cache_share,
     cache_size_bytes,
-    cpu_flags,
-    cpu_model_name,
     last_level_cache_bytes,
-    read_cpuinfo,
 )
 
 
@@ -54,13 +51,3 @@ def test_no_reported_cache_is_none(tmp_path):
 def test_the_cache_holds_at_most_the_whole_step():
     assert cache_share(4e9, 1 << 30) == pytest.approx((1 << 30) / 4e9)
     assert cache_share(1e6, 1 << 30) == 1.0
-
-
-def test_only_the_kernel_deciding_flags_are_kept_in_their_order(tmp_path):
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text("model name\t: Some CPU\nflags\t\t: fpu amx_int8 sse avx2 avx512f amx_bf16\n\nflags : other\n")
-    text = read_cpuinfo(cpuinfo)
-    assert cpu_model_name(text) == "Some CPU"
-    assert cpu_flags(text) == ["avx2", "avx512f", "amx_bf16", "amx_int8"]
-    missing = read_cpuinfo(tmp_path / "missing")
-    assert missing == "" and cpu_flags(missing) == [] and cpu_model_name(missing) is None

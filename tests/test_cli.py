@@ -43,6 +43,15 @@ def test_generate_json_line_matches_the_oracle(tiny):
     assert line["ttft_s"] > 0 and line["decode_tokens_per_s"] > 0
 
 
+def test_the_amx_choice_is_checked_before_a_command_runs_and_bf16_runs_without_amx(tiny):
+    args = ("generate", "--model", str(tiny), "--prompt-ids", "1 40 41", "--max-tokens", "4", "--precision", "bf16")
+    bad = cascadia("--cpu-amx", "sometimes", *args)
+    assert bad.returncode == 2 and "--cpu-amx: CPU AMX choice 'sometimes' is not one of auto, on, off" in bad.stderr
+    done = cascadia("--cpu-amx", "off", *args, "--json")
+    assert done.returncode == 0, done.stderr
+    assert len(json.loads(done.stdout)["token_ids"]) == 4
+
+
 def test_generate_with_text_prompt_and_quantised_weights(tiny):
     done = cascadia(
         "generate",

@@ -12,11 +12,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from cascadia.engine.cpu_isa import ONEDNN_ISA_VARIABLE, cpu_flags, cpu_model_name, read_cpuinfo
+
 SYSFS_CACHE = Path("/sys/devices/system/cpu/cpu0/cache")
-CPUINFO = Path("/proc/cpuinfo")
 MEASURED_PACKAGES = ("openvino", "torch", "transformers")
-# the instruction sets that decide which matmul kernels the plugin and torch can pick
-KERNEL_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8", "amx_fp16")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -41,29 +40,6 @@ def last_level_cache_bytes(cache_dir: Path = SYSFS_CACHE) -> int | None:
         if kind in ("Data", "Unified") and (best is None or level > best[0]):
             best = (level, size)
     return best[1] if best is not None else None
-
-
-def read_cpuinfo(cpuinfo: Path = CPUINFO) -> str:
-    """The kernel's CPU description; empty where there is none (another OS, a sandbox)."""
-    try:
-        return cpuinfo.read_text()
-    except OSError:
-        return ""
-
-
-def _first_cpu_field(cpuinfo: str, name: str) -> str | None:
-    match = re.search(rf"^{name}\s*:\s*(.+)$", cpuinfo, re.MULTILINE)
-    return match.group(1).strip() if match else None
-
-
-def cpu_model_name(cpuinfo: str) -> str | None:
-    return _first_cpu_field(cpuinfo, "model name")
-
-
-def cpu_flags(cpuinfo: str, wanted: tuple[str, ...] = KERNEL_FLAGS) -> list[str]:
-    """Which of `wanted` the first CPU's flags list, in `wanted`'s order."""
-    flags = set((_first_cpu_field(cpuinfo, "flags") or "").split())
-    return [flag for flag in wanted if flag in flags]
 
 
 def cache_share(step_bytes: float, cache_bytes: int | None) -> float | None:
@@ -92,6 +68,8 @@ def machine_summary(device: str = "CPU") -> dict[str, Any]:
         "cpu": cpu_model_name(cpuinfo),
         "cpu_flags": cpu_flags(cpuinfo),
         "logical_cpus": os.cpu_count(),
+        # the cap oneDNN's kernels ran under (None: every instruction set the CPU has)
+        "onednn_max_cpu_isa": os.environ.get(ONEDNN_ISA_VARIABLE) or None,
         "last_level_cache_bytes": last_level_cache_bytes(),
         "device": device,
         "device_name": core.get_property(device, "FULL_DEVICE_NAME"),
