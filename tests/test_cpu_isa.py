@@ -11,6 +11,7 @@ import pytest
 
 from cascadia.engine.cpu_isa import (
     AMX_FLAGS,
+    AMX_VARIABLE,
     BELOW_AMX,
     ONEDNN_ISA_VARIABLE,
     cpu_flags,
@@ -71,7 +72,7 @@ def test_the_plugin_is_found_among_the_mapped_libraries(tmp_path):
 # compiles one bf16 matmul on the CPU, applying a choice before ("early") or after ("late") the
 # plugin loads, and prints the cap set, the kernels the matmul runs and the error of a late choice
 KERNELS_AFTER_CHOICE = """
-import json, sys
+import json, os, sys
 import numpy as np, openvino as ov, openvino.opset16 as ops
 from cascadia.engine.cpu_isa import apply_amx_choice
 choice, when = sys.argv[1:]
@@ -86,12 +87,12 @@ if when == "late":
         apply_amx_choice(choice)
     except RuntimeError as exc:
         late = str(exc)
-print(json.dumps({"cap": cap, "kernels": kinds, "late": late}))
+print(json.dumps({"cap": cap, "kernels": kinds, "late": late, "inherited": os.environ.get("CASCADIA_CPU_AMX")}))
 """
 
 
 def _kernels_after(choice: str, when: str = "early") -> dict:
-    env = {k: v for k, v in os.environ.items() if k != ONEDNN_ISA_VARIABLE}
+    env = {k: v for k, v in os.environ.items() if k not in (ONEDNN_ISA_VARIABLE, AMX_VARIABLE)}
     run = subprocess.run(
         [sys.executable, "-c", KERNELS_AFTER_CHOICE, choice, when], env=env, capture_output=True, text=True, timeout=120
     )
@@ -101,7 +102,7 @@ def _kernels_after(choice: str, when: str = "early") -> dict:
 
 def test_amx_off_keeps_the_bf16_matmul_off_amx():
     off = _kernels_after("off")
-    assert off["cap"] == BELOW_AMX
+    assert off["cap"] == BELOW_AMX and off["inherited"] == "off"
     assert any("bf16" in kind for kind in off["kernels"]) and not any("amx" in kind for kind in off["kernels"])
 
 
@@ -113,4 +114,4 @@ def test_a_choice_after_the_plugin_loaded_is_refused_not_ignored():
 @pytest.mark.skipif(not HAS_AMX, reason="the CPU has no AMX tiles for the plugin to choose")
 def test_amx_on_lets_the_plugin_run_bf16_on_amx_tiles():
     on = _kernels_after("on")
-    assert on["cap"] is None and any("amx_bf16" in kind for kind in on["kernels"])
+    assert on["cap"] is None and on["inherited"] == "on" and any("amx_bf16" in kind for kind in on["kernels"])

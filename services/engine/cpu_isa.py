@@ -86,9 +86,12 @@ def apply_amx_choice(amx: str) -> str | None:
     RuntimeError when the CPU plugin has already loaded, since oneDNN would no longer read the cap.
     """
     cap = isa_cap(amx, cpu_flags(read_cpuinfo(), AMX_FLAGS), os.environ)
-    if cap is None or os.environ.get(ONEDNN_ISA_VARIABLE) == cap:
-        return cap
-    if cpu_plugin_loaded():
-        raise RuntimeError(f"AMX '{amx}' must be chosen before the CPU plugin loads: oneDNN has already read its cap")
-    os.environ[ONEDNN_ISA_VARIABLE] = cap
+    if cap is not None and os.environ.get(ONEDNN_ISA_VARIABLE) != cap:
+        if cpu_plugin_loaded():
+            raise RuntimeError(
+                f"AMX '{amx}' must be chosen before the CPU plugin loads: oneDNN has already read its cap"
+            )
+        os.environ[ONEDNN_ISA_VARIABLE] = cap
+    # the processes this one starts (shards, benchmarks' children) make the same choice
+    os.environ[AMX_VARIABLE] = amx
     return cap
