@@ -95,6 +95,8 @@ def test_eleven_nodes_get_six_layers_each_pinned_with_a_device_and_a_chained_nex
         # compiled weights are mapped from a disk-backed scratch volume: the root filesystem is read-only
         cache = next(m for m in container["volumeMounts"] if m["name"] == "weights-cache")
         assert {"name": "CASCADIA_CACHE_DIR", "value": cache["mountPath"]} in container["env"]
+        # the shard's command takes its AMX choice from the environment the spec gives it (auto by default)
+        assert {"name": "CASCADIA_CPU_AMX", "value": "auto"} in container["env"]
         # the scratch volume is sized for the stage's weights, and the pod asks the node for that much disk
         scratch = next(v for v in pod["volumes"] if v["name"] == "weights-cache")["emptyDir"]["sizeLimit"]
         assert container["resources"]["requests"]["ephemeral-storage"] == scratch
@@ -105,6 +107,17 @@ def test_eleven_nodes_get_six_layers_each_pinned_with_a_device_and_a_chained_nex
     assert ("ConfigMap", "inkling-plan") in kinds and ("StatefulSet", "inkling-redis") in kinds
     for child in children:
         assert child["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+
+
+def test_the_spec_s_amx_choice_reaches_every_shard():
+    spec = example_spec()
+    spec.update(device="CPU", cpuAmx="on")
+    _, children = rendered(spec)
+    shards = [c for c in children if c["kind"] == "StatefulSet" and "shard" in c["metadata"]["name"]]
+    for sts in shards:
+        container = sts["spec"]["template"]["spec"]["containers"][0]
+        assert {"name": "CASCADIA_CPU_AMX", "value": "on"} in container["env"]
+        assert container["args"][container["args"].index("--device") + 1] == "CPU"
 
 
 def test_draft_service_is_rendered_and_the_router_drafts_through_it():

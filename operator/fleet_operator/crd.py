@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from cascadia.engine.cpu_isa import AMX_CHOICES
 from cascadia.operator import GROUP, KIND, PLURAL, VERSION
 from cascadia.planner import PRESET_CONFIGS
 
@@ -130,6 +131,12 @@ SPEC = _object(
             },
         ),
         "device": _string("OpenVINO device the shards run on.", enum=["GPU", "CPU"], default="GPU"),
+        "cpuAmx": _string(
+            "Whether the shards' CPU kernels may use AMX tiles: auto keeps them out on CPUs that have them "
+            "(bf16 decode at few streams runs faster without), on, off.",
+            enum=list(AMX_CHOICES),
+            default="auto",
+        ),
         "networkPolicies": _s(
             "Render NetworkPolicies: only the router and the previous stage reach a shard, only "
             "the gateway the router.",

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from cascadia.engine.cpu_isa import AMX_VARIABLE
 from cascadia.operator import GROUP, KIND, VERSION
 from cascadia.operator.spec import FleetSpec
 from cascadia.planner import FleetPlan, StagePlan
@@ -196,7 +197,8 @@ def shard_statefulset(fleet: Fleet, plan: FleetPlan, stage: int) -> dict[str, An
             {"name": "weights-cache", "mountPath": WEIGHTS_CACHE},
         ],
         env=[{"name": "CASCADIA_STAGE", "value": str(stage)}, {"name": "CASCADIA_ROLE", "value": "last" if last else (
-            "first" if stage == 0 else "middle")}, {"name": "CASCADIA_CACHE_DIR", "value": WEIGHTS_CACHE}],
+            "first" if stage == 0 else "middle")}, {"name": "CASCADIA_CACHE_DIR", "value": WEIGHTS_CACHE},
+            {"name": AMX_VARIABLE, "value": spec.get("cpuAmx")}],
     )  # fmt: skip
     name = shard_name(fleet, stage)
     stage_labels = {STAGE_LABEL: str(stage)}
