@@ -42,14 +42,16 @@ def test_auto_keeps_amx_out_only_where_the_cpu_has_it_and_the_user_set_no_cap():
     assert isa_cap("auto", AMX_CPU, {ONEDNN_ISA_VARIABLE: ""}) == BELOW_AMX
 
 
-def test_on_and_off_are_explicit():
+def test_on_and_off_are_explicit_and_keep_a_cap_that_agrees():
     assert isa_cap("on", AMX_CPU, {}) is None
     assert isa_cap("off", AMX_CPU, {}) == BELOW_AMX
     assert isa_cap("off", ["avx2"], {}) == BELOW_AMX  # a cap above the CPU changes nothing there
-    assert isa_cap("off", AMX_CPU, {ONEDNN_ISA_VARIABLE: BELOW_AMX.lower()}) == BELOW_AMX
+    assert isa_cap("off", AMX_CPU, {ONEDNN_ISA_VARIABLE: "AVX2"}) is None
+    assert isa_cap("on", AMX_CPU, {ONEDNN_ISA_VARIABLE: "avx512_core_amx"}) is None
+    assert isa_cap("on", AMX_CPU, {ONEDNN_ISA_VARIABLE: "ALL"}) is None
 
 
-@pytest.mark.parametrize(("amx", "user_cap"), [("on", "AVX2"), ("off", "AVX2"), ("off", "AVX512_CORE_AMX")])
+@pytest.mark.parametrize(("amx", "user_cap"), [("on", "AVX2"), ("on", BELOW_AMX), ("off", "AVX512_CORE_AMX")])
 def test_an_explicit_choice_that_contradicts_the_users_cap_is_named(amx, user_cap):
     with pytest.raises(ValueError, match=f"'{amx}' contradicts {ONEDNN_ISA_VARIABLE}={user_cap}"):
         isa_cap(amx, AMX_CPU, {ONEDNN_ISA_VARIABLE: user_cap})
@@ -87,7 +89,8 @@ if when == "late":
         apply_amx_choice(choice)
     except RuntimeError as exc:
         late = str(exc)
-print(json.dumps({"cap": cap, "kernels": kinds, "late": late, "inherited": os.environ.get("CASCADIA_CPU_AMX")}))
+print(json.dumps({"cap": cap, "kernels": kinds, "late": late, "inherited": os.environ.get("CASCADIA_CPU_AMX"),
+                  "onednn": os.environ.get("ONEDNN_MAX_CPU_ISA")}))
 """
 
 
@@ -109,6 +112,11 @@ def test_amx_off_keeps_the_bf16_matmul_off_amx():
 def test_a_choice_after_the_plugin_loaded_is_refused_not_ignored():
     late = _kernels_after("off", "late")
     assert "before the CPU plugin loads" in late["late"]
+
+
+def test_auto_after_the_plugin_loaded_leaves_the_process_as_it_is():
+    late = _kernels_after("auto", "late")
+    assert late["late"] is None and late["onednn"] is None
 
 
 @pytest.mark.skipif(not HAS_AMX, reason="the CPU has no AMX tiles for the plugin to choose")

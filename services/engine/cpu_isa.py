@@ -53,22 +53,28 @@ def cpu_flags(cpuinfo: str, wanted: tuple[str, ...] = KERNEL_FLAGS) -> list[str]
     return [flag for flag in wanted if flag in flags]
 
 
+def cap_allows_amx(cap: str) -> bool:
+    """Whether a ONEDNN_MAX_CPU_ISA value leaves the AMX kernels in (their names say AMX, or no cap)."""
+    return "AMX" in cap.upper() or cap.upper() in ("ALL", "DEFAULT")
+
+
 def isa_cap(amx: str, flags: Sequence[str], environ: Mapping[str, str]) -> str | None:
     """The ONEDNN_MAX_CPU_ISA value a process should set for the `amx` choice, or None to set nothing.
 
     "auto" keeps AMX out of a CPU that has it, since serving spends its time in decode steps, and
     leaves a cap the user set themselves alone; "on" and "off" are explicit, so a cap the user set
-    that says otherwise is an error rather than a silent winner.
+    that says otherwise is an error rather than a silent winner (one that agrees is kept).
     """
     if amx not in AMX_CHOICES:
         raise ValueError(f"CPU AMX choice '{amx}' is not one of {', '.join(AMX_CHOICES)}")
     user_cap = environ.get(ONEDNN_ISA_VARIABLE, "")
-    if amx == "auto":
-        return None if user_cap or not any(flag in AMX_FLAGS for flag in flags) else BELOW_AMX
-    wanted = BELOW_AMX if amx == "off" else None
-    if user_cap and user_cap.upper() != (wanted or "").upper():
-        raise ValueError(f"AMX '{amx}' contradicts {ONEDNN_ISA_VARIABLE}={user_cap} set in the environment")
-    return wanted
+    if user_cap:
+        if amx != "auto" and cap_allows_amx(user_cap) != (amx == "on"):
+            raise ValueError(f"AMX '{amx}' contradicts {ONEDNN_ISA_VARIABLE}={user_cap} set in the environment")
+        return None
+    if amx == "off" or (amx == "auto" and any(flag in AMX_FLAGS for flag in flags)):
+        return BELOW_AMX
+    return None
 
 
 def cpu_plugin_loaded(maps: Path = PROCESS_MAPS) -> bool:
@@ -83,11 +89,14 @@ def apply_amx_choice(amx: str) -> str | None:
     """Set this process's cap (inherited by the processes it starts) for `amx`; returns the cap set.
 
     Raises ValueError for an unknown choice or one that contradicts the environment, and
-    RuntimeError when the CPU plugin has already loaded, since oneDNN would no longer read the cap.
+    RuntimeError for "on" or "off" when the CPU plugin has already loaded, since oneDNN would no
+    longer read the cap; "auto" is only a preference, and leaves such a process as it is.
     """
     cap = isa_cap(amx, cpu_flags(read_cpuinfo(), AMX_FLAGS), os.environ)
     if cap is not None and os.environ.get(ONEDNN_ISA_VARIABLE) != cap:
         if cpu_plugin_loaded():
+            if amx == "auto":
+                return None
             raise RuntimeError(
                 f"AMX '{amx}' must be chosen before the CPU plugin loads: oneDNN has already read its cap"
             )
