@@ -1209,6 +1209,36 @@ def bench_fleet(
     sys.stdout.write(json.dumps(summary, indent=2) + "\n")
 
 
+@bench_app.command("amx")
+def bench_amx(
+    model: Annotated[str, typer.Option(help=MODEL_HELP)],
+    out: Annotated[Path, typer.Option(help="Directory for JSON and PNG results.")] = Path("bench-out/amx"),
+    streams: Annotated[str, typer.Option(help="Stream counts, comma separated.")] = "1,8,32",
+    precisions: Annotated[str, typer.Option(help="Precision modes, comma separated.")] = "bf16",
+    rounds: Annotated[int, typer.Option(min=1, help="Pairs of processes, one with AMX and one without.")] = 3,
+    steps: Annotated[int, typer.Option(min=2, help="Decode steps per measurement.")] = 16,
+    repeats: Annotated[int, typer.Option(min=1, help="Measurements per point in each process.")] = 3,
+) -> None:
+    """The engine with AMX and without, in alternating processes (oneDNN fixes the choice per process)."""
+    from cascadia.bench.amx import AmxBenchConfig, run_amx_bench
+    from cascadia.engine.settings import PRECISION_PRESETS
+
+    config = AmxBenchConfig(
+        model=resolve_model(model),
+        out=out,
+        streams=positive_ints(streams, "--streams"),
+        precisions=listed(precisions, "--precisions", PRECISION_PRESETS) or ("bf16",),
+        rounds=rounds,
+        steps=steps,
+        repeats=repeats,
+    )
+    try:
+        result = run_amx_bench(config, err)
+    except RuntimeError as exc:
+        raise fail(str(exc)) from None
+    sys.stdout.write(json.dumps(result["points"], indent=2) + "\n")
+
+
 @bench_app.command("peer")
 def bench_peer(
     model: Annotated[str, typer.Option(help="A GGUF model both sides read.")] = "smollm2-135m",
