@@ -47,6 +47,9 @@ def test_each_expert_kernel_is_measured_under_its_own_label(tiny, tmp_path):
         for count, result in entry["decode"].items():
             oracle = beside["decode"][count]["rounds_s"]
             assert result["vs_transformers_f32"] == pytest.approx(median_ratio(oracle, result["rounds_s"]))
+            # what an engine reading only its floor's bytes would reach against the same transformers rounds
+            at_floor = int(count) / result["floor_step_s"] / beside["decode"][count]["tokens_per_s"]
+            assert result["floor_vs_transformers_f32"] == pytest.approx(at_floor)
         prefill = median_ratio(beside["prefill"]["rounds_s"], entry["prefill_rounds_s"])
         assert entry["prefill_vs_transformers_f32"] == pytest.approx(prefill)
     assert summary["transformers"]["decode"] == summary["transformers"]["passes"]["f32"]["decode"]

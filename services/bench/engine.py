@@ -310,6 +310,15 @@ def rounds_beside_oracle(
     return timed_rounds(contenders, repeats)
 
 
+def floor_vs_transformers(streams: int, floor_s: float, transformers_tokens_per_s: float) -> float:
+    """The ratio to transformers of an engine that only read its step's weights at the measured bandwidth.
+
+    No engine reading its weights from memory passes it, so it says which speed goals a machine's
+    memory leaves within reach: where transformers already reads near the floor, it is below 2.
+    """
+    return streams / floor_s / transformers_tokens_per_s
+
+
 def paired(base: list[float], own: list[float]) -> float:
     """Median over the rounds of the base's time over this one's: own's speed relative to the base's."""
     return statistics.median(b / o for b, o in zip(base, own, strict=True))
@@ -487,8 +496,12 @@ def run_engine_bench(config: EngineBenchConfig, console: Console) -> dict[str, A
                 result["cache_share_of_step_bytes"] = cache_share(step_bytes, cache_bytes)
                 result["fraction_of_floor"] = floor_s / result["step_s"]
                 result["fraction_of_matvec_floor"] = step_bytes / matvec / result["step_s"]
+                versus = ""
+                if oracle is not None:
+                    at_floor = floor_vs_transformers(count, floor_s, beside["decode"][str(count)]["tokens_per_s"])
+                    result["floor_vs_transformers_f32"] = at_floor
+                    versus = f", {result['vs_transformers_f32']:.2f}x transformers, {at_floor:.2f}x at the floor"
                 summary["engine"][label]["decode"][str(count)] = result
-                versus = f", {result['vs_transformers_f32']:.2f}x transformers" if oracle else ""
                 console.print(
                     f"{label:12s} {count:3d} streams: {result['tokens_per_s']:8.1f} tok/s "
                     f"({result['fraction_of_floor']:.2f} of the bandwidth floor{versus})"
@@ -540,18 +553,21 @@ def plot_engine(summary: dict[str, Any], path: Path) -> None:
         series["transformers f32"] = summary["transformers"]["decode"]
     counts = sorted({int(c) for s in series.values() for c in s})
     width = 0.8 / len(series)
+    floor_label = "bandwidth floor"
     for i, (name, decode) in enumerate(series.items()):
-        ax.bar(
-            [j + i * width for j in range(len(counts))],
-            [decode[str(c)]["tokens_per_s"] for c in counts],
-            width,
-            label=name,
-        )
+        places = [j + i * width for j in range(len(counts))]
+        ax.bar(places, [decode[str(c)]["tokens_per_s"] for c in counts], width, label=name)
+        for place, count in zip(places, counts, strict=True):
+            if "floor_step_s" in decode[str(count)]:  # the rate of a step that only read its weights
+                floor_rate = count / decode[str(count)]["floor_step_s"]
+                ax.hlines(floor_rate, place - width / 2, place + width / 2, colors="black", label=floor_label)
+                floor_label = "_nolegend_"
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(counts))], [f"{c} streams" for c in counts])
     ax.set_ylabel("decode tokens / s")
     ax.set_yscale("log")
+    ax.set_ylim(top=ax.get_ylim()[1] * 4)  # room for the legend above the highest floor
     ax.set_title(f"Engine decode throughput ({summary['params'] / 1e9:.2f}B-parameter Inkling config)")
-    ax.legend()
+    ax.legend(loc="upper left", ncols=3, fontsize="small")
     if breakdowns:
         plot_op_times(axes[0][1], breakdowns)
     fig.tight_layout()
