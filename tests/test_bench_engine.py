@@ -201,10 +201,19 @@ def test_the_device_picks_the_expert_kernel_unless_told():
     # banks read already compressed (a GGUF's blocks) keep the fused kernel unless one is named
     assert EngineSettings().ffn_form.compressed_experts == "fused"
     assert EngineSettings(expert_kernel="grouped").ffn_form.compressed_experts == "grouped"
+    # int8 activations multiply in int8 in the CPU's plain compressed matmuls, so such banks run grouped
+    assert preset("w8a8").expert_kernel_path == preset("w8a8").ffn_form.compressed_experts == "grouped"
+    assert preset("w8a8", device="GPU").ffn_form.compressed_experts == "fused"
+    assert preset("w8a8", expert_kernel="fused").ffn_form.compressed_experts == "fused"
     # bf16 experts run typed inside the residual stream's f32 graph; f16 ones (the iGPU's) apart
     assert preset("bf16").ffn_form.compute == "bf16" and not preset("bf16").split_expert_graph
     assert EngineSettings().ffn_form.compute == "f32"
     assert EngineSettings(expert_compute="f16").split_expert_graph
+
+
+def test_a_negative_activation_group_is_refused():
+    with pytest.raises(ValueError, match="activation_quant_group must be >= 0, got -32"):
+        EngineSettings(activation_quant_group=-32)
 
 
 def test_an_unknown_expert_kernel_setting_is_refused():

@@ -52,7 +52,8 @@ def test_the_amx_choice_is_checked_before_a_command_runs_and_bf16_runs_without_a
     assert len(json.loads(done.stdout)["token_ids"]) == 4
 
 
-def test_generate_with_text_prompt_and_quantised_weights(tiny):
+@pytest.mark.parametrize("precision", ["int4", "w8a8"])
+def test_generate_with_text_prompt_and_quantised_weights(tiny, precision):
     done = cascadia(
         "generate",
         "--model",
@@ -62,7 +63,7 @@ def test_generate_with_text_prompt_and_quantised_weights(tiny):
         "--max-tokens",
         "4",
         "--precision",
-        "int4",
+        precision,
         "--json",
     )
     assert done.returncode == 0, done.stderr

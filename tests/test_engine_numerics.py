@@ -77,7 +77,7 @@ def test_greedy_ids_match_transformers_generate(checkpoints, variant):
         assert got == expected
 
 
-@pytest.mark.parametrize("mode", ["bf16", "f16", "int8", "int4"])
+@pytest.mark.parametrize("mode", ["bf16", "f16", "int8", "int4", "w8a8"])
 def test_low_precision_layers_stay_within_one_percent_of_the_dequantised_oracle(tiny, mode):
     """Each layer, fed the oracle's input rows, against the oracle run on the dequantised weights."""
     settings = preset(mode)
@@ -124,6 +124,23 @@ def test_weight_only_quantisation_is_exact_end_to_end_on_the_cpu(tiny, mode):
     _, ours_logits = run_prompt(StageEngine(weights, settings), ids)
     assert relative_rms(ours_logits, ref_logits) <= 1e-3
     assert (ours_logits.argmax(-1) == ref_logits.argmax(-1)).all()
+
+
+def test_w8a8_quantises_the_experts_inputs_and_nothing_else(tiny):
+    """w8a8's experts multiply int8 activations: near the same weights with f32 activations, not equal to
+    them; its attention and head keep f32 weights, and the CPU's own default quantisation stays off."""
+    settings = preset("w8a8")
+    assert (settings.attention_weights, settings.head_weights, settings.expert_weights) == ("f32", "f32", "int8")
+    assert compile_config(preset("int8"), "f32")["DYNAMIC_QUANTIZATION_GROUP_SIZE"] == "0"
+    assert compile_config(settings, "f32")["DYNAMIC_QUANTIZATION_GROUP_SIZE"] == "32"
+    assert "DYNAMIC_QUANTIZATION_GROUP_SIZE" not in compile_config(preset("int8", device="GPU"), "f16")
+    weights = load_stage(tiny, 0, load_shape(tiny).num_layers)
+    ids = PROMPTS["long"]
+    quantised, _ = run_prompt(StageEngine(weights, settings), ids)
+    exact, _ = run_prompt(StageEngine(weights, preset("w8a8", activation_quant_group=0)), ids)
+    # the first layer, fed the same ids (later layers carry the earlier ones' differences; each layer
+    # against the oracle: the test above)
+    assert 1e-5 < relative_rms(quantised[0], exact[0]) <= 0.01
 
 
 def test_split_expert_graph_with_power_of_two_rescaling_tracks_the_fused_path(tiny):

@@ -62,11 +62,12 @@ class StepResult:
 
 def compile_config(settings: EngineSettings, compute: str) -> dict[str, str]:
     config = {"INFERENCE_PRECISION_HINT": compute, "PERFORMANCE_HINT": "LATENCY"}
-    if settings.device.upper().startswith("CPU"):
+    if settings.device.upper().startswith("CPU") or settings.activation_quant_group:
+        # on the CPU always: its plugin quantises activations by default, which is not exact
         config["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = str(settings.activation_quant_group)
-        if settings.paged_attention:
-            # the plugin gives PagedAttention's pools this precision (u8 by default on this CPU)
-            config["KEY_CACHE_PRECISION"] = config["VALUE_CACHE_PRECISION"] = settings.kv_precision
+    if settings.device.upper().startswith("CPU") and settings.paged_attention:
+        # the plugin gives PagedAttention's pools this precision (u8 by default on this CPU)
+        config["KEY_CACHE_PRECISION"] = config["VALUE_CACHE_PRECISION"] = settings.kv_precision
     if settings.threads:
         config["INFERENCE_NUM_THREADS"] = str(settings.threads)
     if settings.profile_ops:

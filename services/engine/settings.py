@@ -20,7 +20,7 @@ KV_PRECISIONS: tuple[KvPrecision, ...] = ("f32", "f16", "u8")
 COMPUTE_PRECISIONS: tuple[Compute, ...] = ("f32", "bf16", "f16")
 HeadCompute = Literal["f32", "bf16"]
 HEAD_COMPUTES: tuple[HeadCompute, ...] = ("f32", "bf16")
-PRECISION_PRESETS = ("f32", "bf16", "f16", "int8", "int4")
+PRECISION_PRESETS = ("f32", "bf16", "f16", "int8", "int4", "w8a8")
 
 DEFAULT_CONTEXT = 1024
 MAX_CONTEXT = 512 * 1024
@@ -66,8 +66,9 @@ class EngineSettings:
     context: int = DEFAULT_CONTEXT  # global-layer positions per stream
     rewind_slack: int = 32  # positions a stream can step back on sliding layers and convs
     threads: int = 0  # 0: the plugin's default
-    # the CPU plugin can quantise activations to int8 in groups for compressed-weight matmuls;
-    # 0 keeps them in the compute precision (exact to the dequantised weights)
+    # the plugins can quantise activations to int8 in groups of this many values for compressed-weight
+    # matmuls, which then multiply in int8 (VNNI, AMX); 0 keeps them in the compute precision (exact to
+    # the dequantised weights)
     activation_quant_group: int = 0
     # what every row runs (dense FFNs, and sparse layers' shared experts): "experts" runs it as
     # all-active slices through the expert kernel (one path for sparse and dense layers), "matmul" as
@@ -118,6 +119,8 @@ class EngineSettings:
             raise ValueError("paged attention keeps keys and values in f32 or f16; u8 needs llama_attention 'blocks'")
         if self.rewind_slack < 0:
             raise ValueError(f"rewind_slack must be >= 0, got {self.rewind_slack}")
+        if self.activation_quant_group < 0:
+            raise ValueError(f"activation_quant_group must be >= 0, got {self.activation_quant_group}")
         if self.planned_streams < 0:
             raise ValueError(f"planned_streams must be >= 0, got {self.planned_streams}")
 
@@ -149,6 +152,10 @@ class EngineSettings:
         fused MoE kernel. This is the form of banks stored in f32: banks read already compressed (a
         GGUF's blocks) keep the fused kernel unless a kernel is named (`ffn_form`).
 
+        Compressed experts with int8 activations (`activation_quant_group`) run grouped on the CPU: its
+        plain compressed matmuls multiply in int8, and at 32 streams of the mini preset grouped banks ran
+        1.34x the fused kernel (0.75x at one stream; docs/benchmarks.md "int8 activations").
+
         Experts computed in bf16 keep the fused kernel too: on an AVX-512 BF16 CPU it ran 1.3x the
         grouped bf16 matmuls at one stream of the mini preset and tied them at 32 (0.98x), though
         grouped prefilled 1.5x as fast (docs/benchmarks.md "bf16 experts inside the stage's graph").
@@ -156,11 +163,15 @@ class EngineSettings:
         if self.expert_kernel != "auto":
             return self.expert_kernel
         cpu = self.device.upper().startswith("CPU")
+        if cpu and self.activation_quant_group and self.expert_weights in ("int8", "int4"):
+            return "grouped"
         return "grouped" if cpu and self.expert_weights == "f32" and self.expert_compute == "f32" else "fused"
 
     @property
     def ffn_form(self) -> FfnForm:
-        compressed = "fused" if self.expert_kernel == "auto" else self.expert_kernel
+        # compressed banks keep the fused kernel unless named, or unless int8 activations want plain matmuls
+        chosen = self.expert_kernel != "auto" or self.activation_quant_group
+        compressed = self.expert_kernel_path if chosen else "fused"
         compute = "bf16" if self.typed_experts else "f32"
         return FfnForm(self.dense_ffn_path, self.expert_kernel_path, compressed, compute)
 
@@ -198,6 +209,11 @@ def preset(name: str, device: str = "CPU", **overrides: object) -> EngineSetting
 
     The iGPU computes experts in f16; the CPU keeps f32 arithmetic for the quantised modes, since its
     compressed-weight kernels decompress to f32 and its f16 hint does not compile every fused graph.
+
+    "w8a8" is int8 experts whose inputs the plugin quantises to int8 in groups of 32 at each call, so
+    their matmuls multiply in int8: the fastest mode at many streams on a CPU with VNNI or AMX, and
+    within 1% of the dequantised weights per layer (0.42% on the mini preset). The attention and the
+    head stay f32: quantising their inputs too put a layer of the mini preset 5.5% off.
     """
     if name not in PRECISION_PRESETS:
         raise ValueError(f"precision '{name}' is not one of {', '.join(PRECISION_PRESETS)}")
@@ -227,5 +243,6 @@ def preset(name: str, device: str = "CPU", **overrides: object) -> EngineSetting
             head_weights="int8",
             expert_compute=low,
         ),
+        "w8a8": EngineSettings(device=device, expert_weights="int8", expert_compute=low, activation_quant_group=32),
     }
     return replace(table[name], **overrides)  # type: ignore[arg-type]
