@@ -377,9 +377,10 @@ def _dequantised_oracle(path: Path, settings):
     return model
 
 
-@pytest.mark.parametrize("mode", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("mode", ["bf16", "int8", "int4", "w8a8"])
 def test_tiny_llama_low_precision_modes_match_the_dequantised_oracle(tiny_llama, mode):
-    """bf16 experts run as bf16-typed ops in the stage's graph; int8/int4 weights with f32 arithmetic."""
+    """bf16 experts run as bf16-typed ops in the stage's graph; int8/int4 weights with f32 arithmetic;
+    w8a8's int8 MLP weights on int8-quantised inputs."""
     from cascadia.engine.settings import preset
 
     settings = preset(mode)
@@ -391,7 +392,10 @@ def test_tiny_llama_low_precision_modes_match_the_dequantised_oracle(tiny_llama,
     with torch.no_grad():
         ref = _dequantised_oracle(tiny_llama, settings)(torch.tensor(ids[None])).logits[0].numpy()
     rel = np.sqrt(np.mean((logits - ref) ** 2)) / np.sqrt(np.mean(ref**2))
-    assert rel <= (1e-2 if mode == "bf16" else 1e-3), f"{mode}: relative rms {rel:.2e}"
+    # the logits, after every layer: w8a8's input rounding adds up to about 1.1% here (per layer it stays
+    # within 1%, tests/test_engine_numerics.py)
+    bound = {"bf16": 1e-2, "w8a8": 2e-2}.get(mode, 1e-3)
+    assert rel <= bound, f"{mode}: relative rms {rel:.2e}"
 
 
 def test_dense_ffn_as_expert_slices_equals_plain_matmuls(tiny_llama):

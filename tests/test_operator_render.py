@@ -36,6 +36,13 @@ def test_the_chart_ships_the_crd_generated_from_its_source():
     assert shipped == crd()
 
 
+def test_the_crd_takes_every_precision_mode_a_shard_takes():
+    from cascadia.engine.settings import PRECISION_PRESETS
+
+    mode = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["precision"]
+    assert mode["properties"]["mode"]["enum"] == list(PRECISION_PRESETS)
+
+
 def test_defaults_come_from_the_schema():
     spec = {"model": {"preset": "inkling-975b", "path": "/m"}, "nodes": {"names": ["a"], "memory": "8Gi"}}
     spec = with_defaults(spec)
