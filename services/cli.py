@@ -182,7 +182,7 @@ def generate(
     max_tokens: Annotated[int, typer.Option(min=1)] = 16,
     temperature: Annotated[float, typer.Option(min=0.0)] = 0.0,
     seed: Annotated[int | None, typer.Option()] = None,
-    precision: Annotated[str, typer.Option(help="f32, bf16, f16, int8, int4 or w8a8")] = "f32",
+    precision: PrecisionOption = "f32",
     device: Annotated[str, typer.Option(help="OpenVINO device: CPU here, GPU on the fleet.")] = "CPU",
     context: Annotated[int | None, typer.Option(help="Global-layer positions per stream.")] = None,
     kv_precision: KvPrecisionOption = "f32",
@@ -345,7 +345,7 @@ def shard(
     next_addr: Annotated[str | None, typer.Option("--next", help="The next stage's address.")] = None,
     reply_to: Annotated[str | None, typer.Option(help="Where the last stage delivers tokens.")] = None,
     stage: Annotated[int, typer.Option(min=0, help="This stage's index (for error messages).")] = 0,
-    precision: Annotated[str, typer.Option(help="f32, bf16, f16, int8, int4 or w8a8")] = "f32",
+    precision: PrecisionOption = "f32",
     device: Annotated[str, typer.Option(help="OpenVINO device.")] = "CPU",
     context: Annotated[int | None, typer.Option(help="Global-layer positions per stream.")] = None,
     kv_precision: KvPrecisionOption = "f32",
@@ -554,7 +554,7 @@ def replay_command(
     capture_path: Annotated[Path, typer.Argument(help="A capture directory (or one capture file).")],
     layers: Annotated[str, typer.Option(help="Half-open layer range A:B to recompute.")],
     model: Annotated[str | None, typer.Option(help=f"{MODEL_HELP} (default: the one captured).")] = None,
-    precision: Annotated[str, typer.Option(help="f32, bf16, f16, int8, int4 or w8a8")] = "f32",
+    precision: PrecisionOption = "f32",
     device: Annotated[str, typer.Option(help="OpenVINO device.")] = "CPU",
     kv_precision: KvPrecisionOption = "f32",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON line.")] = False,
@@ -742,6 +742,7 @@ ApiKeysFile = Annotated[
     typer.Option(exists=True, dir_okay=False, help="File of API keys, one per line (also $CASCADIA_API_KEYS)."),
 ]
 MaxContext = Annotated[int, typer.Option(min=2, help="Positions per request: prompt plus generated tokens.")]
+PrecisionOption = Annotated[str, typer.Option(help="f32, bf16, f16, int8, int4 or w8a8")]
 KvPrecisionOption = Annotated[
     str, typer.Option(help="Keys and values kept as f32, f16 (half the memory) or u8 (about a quarter).")
 ]
@@ -844,7 +845,7 @@ def up(
     model: Annotated[str, typer.Option(help=MODEL_HELP)] = "smollm2-135m",
     shards: Annotated[int, typer.Option(min=1)] = 3,
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port of the OpenAI API.")] = 8000,
-    precision: Annotated[str, typer.Option(help="f32, bf16, f16, int8, int4 or w8a8")] = "f32",
+    precision: PrecisionOption = "f32",
     router_port: Annotated[
         int, typer.Option(min=0, max=65535, help="Port of the router's gRPC API (0: any free).")
     ] = 0,
