@@ -127,10 +127,10 @@ def test_weight_only_quantisation_is_exact_end_to_end_on_the_cpu(tiny, mode):
 
 
 def test_w8a8_quantises_the_experts_inputs_and_nothing_else(tiny):
-    """w8a8's experts multiply int8 activations: near the same weights with f32 activations, not equal to
-    them; its attention and head keep f32 weights, and the CPU's own default quantisation stays off."""
+    """w8a8's experts and head multiply int8 activations: near the same weights with f32 activations, not
+    equal to them; its attention keeps f32 weights, and the CPU's own default quantisation stays off."""
     settings = preset("w8a8")
-    assert (settings.attention_weights, settings.head_weights, settings.expert_weights) == ("f32", "f32", "int8")
+    assert (settings.attention_weights, settings.head_weights, settings.expert_weights) == ("f32", "int8", "int8")
     assert compile_config(preset("int8"), "f32")["DYNAMIC_QUANTIZATION_GROUP_SIZE"] == "0"
     assert compile_config(settings, "f32")["DYNAMIC_QUANTIZATION_GROUP_SIZE"] == "32"
     assert "DYNAMIC_QUANTIZATION_GROUP_SIZE" not in compile_config(preset("int8", device="GPU"), "f16")
@@ -141,6 +141,10 @@ def test_w8a8_quantises_the_experts_inputs_and_nothing_else(tiny):
     # the first layer, fed the same ids (later layers carry the earlier ones' differences; each layer
     # against the oracle: the test above)
     assert 1e-5 < relative_rms(quantised[0], exact[0]) <= 0.01
+    final = np.random.default_rng(3).normal(size=(6, load_shape(tiny).hidden_size)).astype(np.float32)
+    quantised_head = StageEngine(weights, settings).head_logits(final)
+    exact_head = StageEngine(weights, preset("w8a8", activation_quant_group=0)).head_logits(final)
+    assert 1e-5 < relative_rms(quantised_head, exact_head) <= 0.01
 
 
 def test_split_expert_graph_with_power_of_two_rescaling_tracks_the_fused_path(tiny):
