@@ -126,7 +126,7 @@ def test_weight_only_quantisation_is_exact_end_to_end_on_the_cpu(tiny, mode):
     assert (ours_logits.argmax(-1) == ref_logits.argmax(-1)).all()
 
 
-def test_w8a8_quantises_the_experts_inputs_and_nothing_else(tiny):
+def test_w8a8_multiplies_its_experts_and_head_on_int8_inputs(tiny):
     """w8a8's experts and head multiply int8 activations: near the same weights with f32 activations, not
     equal to them; its attention keeps f32 weights, and the CPU's own default quantisation stays off."""
     settings = preset("w8a8")
