@@ -141,39 +141,44 @@ class EngineSettings:
 
     @property
     def expert_kernel_path(self) -> BankForm:
-        """The expert bank form this device runs.
+        """The expert bank form this device runs for banks as these settings store them.
 
         The CPU plugin's fused kernel (GatherMatmul) runs a matrix-vector product per (row, expert)
         pair on a CPU without AMX, so an expert's weights are read again for every row that chose it.
         With f32 weights, grouped matmuls read each expert once per step and win from about eight
-        rows on (1.23x the fused kernel at 32 streams of the mini preset, 0.88x at one); with
-        compressed weights the CPU's fused kernel decompresses faster than its compressed matmuls
-        and stays ahead to about 32 rows (docs/benchmarks.md "Grouped experts"). The iGPU keeps its
-        fused MoE kernel. This is the form of banks stored in f32: banks read already compressed (a
-        GGUF's blocks) keep the fused kernel unless a kernel is named (`ffn_form`).
-
-        Compressed experts with int8 activations (`activation_quant_group`) run grouped on the CPU: its
-        plain compressed matmuls multiply in int8, and at 32 streams of the mini preset grouped banks ran
-        1.34x the fused kernel (0.75x at one stream; docs/benchmarks.md "int8 activations").
+        rows on (1.23x the fused kernel at 32 streams of the mini preset, 0.88x at one). The iGPU
+        keeps its fused MoE kernel. Compressed weights take `compressed_kernel_path`.
 
         Experts computed in bf16 keep the fused kernel too: on an AVX-512 BF16 CPU it ran 1.3x the
         grouped bf16 matmuls at one stream of the mini preset and tied them at 32 (0.98x), though
         grouped prefilled 1.5x as fast (docs/benchmarks.md "bf16 experts inside the stage's graph").
         """
+        if self.expert_weights != "f32":
+            return self.compressed_kernel_path
         if self.expert_kernel != "auto":
             return self.expert_kernel
         cpu = self.device.upper().startswith("CPU")
-        if cpu and self.activation_quant_group and self.expert_weights in ("int8", "int4"):
-            return "grouped"
-        return "grouped" if cpu and self.expert_weights == "f32" and self.expert_compute == "f32" else "fused"
+        return "grouped" if cpu and self.expert_compute == "f32" else "fused"
+
+    @property
+    def compressed_kernel_path(self) -> BankForm:
+        """The form of banks whose weights are compressed, by these settings or as read (a GGUF's blocks).
+
+        On the CPU the fused kernel decompresses faster than the plain compressed matmuls and stays
+        ahead to about 32 rows (docs/benchmarks.md "Grouped experts"). With int8 activations
+        (`activation_quant_group`) the plain compressed matmuls multiply in int8, and grouped banks ran
+        1.34x the fused kernel at 32 streams of the mini preset (0.75x at one stream;
+        docs/benchmarks.md "int8 activations"), so such banks run grouped. The iGPU keeps its fused kernel.
+        """
+        if self.expert_kernel != "auto":
+            return self.expert_kernel
+        cpu = self.device.upper().startswith("CPU")
+        return "grouped" if cpu and self.activation_quant_group else "fused"
 
     @property
     def ffn_form(self) -> FfnForm:
-        # compressed banks keep the fused kernel unless named, or unless int8 activations want plain matmuls
-        chosen = self.expert_kernel != "auto" or self.activation_quant_group
-        compressed = self.expert_kernel_path if chosen else "fused"
         compute = "bf16" if self.typed_experts else "f32"
-        return FfnForm(self.dense_ffn_path, self.expert_kernel_path, compressed, compute)
+        return FfnForm(self.dense_ffn_path, self.expert_kernel_path, self.compressed_kernel_path, compute)
 
     @property
     def paged_attention(self) -> bool:
