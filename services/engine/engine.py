@@ -62,8 +62,9 @@ class StepResult:
 
 def compile_config(settings: EngineSettings, compute: str) -> dict[str, str]:
     config = {"INFERENCE_PRECISION_HINT": compute, "PERFORMANCE_HINT": "LATENCY"}
-    if settings.device.upper().startswith("CPU") or settings.activation_quant_group:
-        # on the CPU always: its plugin quantises activations by default, which is not exact
+    if settings.device.upper().startswith(("CPU", "GPU")) or settings.activation_quant_group:
+        # on the CPU and the iGPU always: both plugins quantise compressed matmuls' activations by
+        # default (the CPU's in 2026.4, the GPU's on iGPUs without systolic arrays), which is not exact
         config["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = str(settings.activation_quant_group)
     if settings.device.upper().startswith("CPU") and settings.paged_attention:
         # the plugin gives PagedAttention's pools this precision (u8 by default on this CPU)
