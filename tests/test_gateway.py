@@ -283,13 +283,72 @@ def test_thirty_two_concurrent_streaming_clients_each_get_their_own_greedy_text(
         assert completion_tokens == len(ids)
 
 
+def test_a_batch_of_prompts_with_n_choices_each_gives_every_single_requests_output(live, solo):
+    prompts = [[5, 17, 300, 42], [9, 8, 7]]
+    client = live.client()
+    out = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=8, temperature=0)
+    ids = [solo(p, 8) for p in prompts]
+    greedy = [expected_text(live.codec, i) for i in ids]
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert [c.text for c in out.choices] == [greedy[0], greedy[0], greedy[1], greedy[1]]
+    assert out.usage.prompt_tokens == 7  # each prompt once, however many choices it has
+    assert out.usage.completion_tokens == 2 * (len(ids[0]) + len(ids[1]))
+    text_batch = client.completions.create(model=MODEL, prompt=["The fleet", "says hello"], max_tokens=4, temperature=0)
+    for choice, text in zip(text_batch.choices, ["The fleet", "says hello"], strict=True):
+        assert choice.text == expected_text(live.codec, solo(live.codec.encode(text), 4))
+
+
+def test_n_sampled_choices_differ_and_each_is_the_single_request_with_its_seed(live, solo):
+    prompt = [9, 8, 7, 6, 5]
+    client = live.client()
+    sampling = {"max_tokens": 10, "temperature": 1.0, "logprobs": 0}
+    out = client.completions.create(model=MODEL, prompt=prompt, n=3, seed=1234, **sampling)
+    tokens = [c.logprobs.tokens for c in out.choices]
+    assert len({tuple(t) for t in tokens}) == 3
+    for j, choice_tokens in enumerate(tokens):
+        alone = client.completions.create(model=MODEL, prompt=prompt, seed=1234 + j, **sampling)
+        assert alone.choices[0].logprobs.tokens == choice_tokens
+    ids = solo(prompt, 10, temperature=1.0, seed=1235)
+    assert tokens[1] == [live.codec.token_text(t) for t in ids]
+
+
+def test_streamed_choices_carry_their_index_and_match_the_whole_response(live):
+    messages = [{"role": "user", "content": "What is a shard?"}]
+    client = live.client()
+    sampling = {"max_tokens": 8, "temperature": 1.0, "seed": 77, "n": 3}
+    whole = client.chat.completions.create(model=MODEL, messages=messages, **sampling)
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, stream=True, stream_options={"include_usage": True}, **sampling
+        )
+    )
+    assert len({c.id for c in chunks}) == 1
+    texts: dict[int, str] = collections.defaultdict(str)
+    roles: dict[int, list] = collections.defaultdict(list)
+    finishes: dict[int, list] = collections.defaultdict(list)
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.delta.content or ""
+        roles[choice.index].append(choice.delta.role)
+        if choice.finish_reason:
+            finishes[choice.index].append(choice.finish_reason)
+    assert {i: texts[i] for i in range(3)} == {c.index: c.message.content for c in whole.choices}
+    assert all(roles[i][0] == "assistant" and set(roles[i][1:]) <= {None} for i in range(3))
+    assert {i: f for i, f in finishes.items()} == {c.index: [c.finish_reason] for c in whole.choices}
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens == len(live.codec.encode_chat(messages))
+
+
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [
         ({"model": MODEL, "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
-        ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+        ({"model": MODEL, "prompt": "hi", "n": 17}, 400, "n"),
+        ({"model": MODEL, "prompt": ["a", "b", "c"], "n": 6}, 400, "n"),  # 18 choices
+        ({"model": MODEL, "prompt": [[1, 2], [3, 600]]}, 400, "prompt"),
+        ({"model": MODEL, "prompt": [[5], [5] * 1000], "max_tokens": 100}, 413, "max_tokens"),
         ({"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo"),
         ({"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "best_of"),
         ({"model": MODEL, "prompt": [1, 2, 600]}, 400, "prompt"),
@@ -359,32 +418,38 @@ def _wait_until_free(live, timeout: float = 15.0) -> None:
         time.sleep(0.2)
 
 
-def _wait_until_active(live, timeout: float = 15.0) -> None:
+def _wait_until_active(live, count: int = 1, timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
-    while not _router_active(live):
-        assert time.monotonic() < deadline, "the request never became active on the router"
+    while _router_active(live) < count:
+        assert time.monotonic() < deadline, f"{count} streams never became active on the router"
         time.sleep(0.05)
 
 
 LONG = {"model": MODEL, "prompt": [7, 8], "max_tokens": 600, "temperature": 0}  # runs for seconds
 
 
-@pytest.mark.parametrize("stream", [True, False])
-def test_a_client_that_disconnects_frees_its_stream_on_every_stage(live, stream):
+@pytest.mark.parametrize(("stream", "n"), [(True, 1), (False, 1), (True, 3), (False, 3)])
+def test_a_client_that_disconnects_frees_its_streams_on_every_stage(live, stream, n):
     _wait_until_free(live)
     headers = {"Authorization": f"Bearer {KEYS[0]}"}
+    body = {**LONG, "n": n}
     with httpx.Client(timeout=30) as client:
         if stream:
-            body = {**LONG, "stream": True}
+            body["stream"] = True
             with client.stream("POST", live.base + "/v1/completions", json=body, headers=headers) as response:
                 lines = response.iter_lines()  # kept: dropping the iterator closes the connection
                 first = next(lines)
                 assert first.startswith('data: {"id"'), first
-                assert _router_active(live) == 1 and _shard_open_streams(live) == [1, 1]
+                _wait_until_active(live, n)
+                deadline = time.monotonic() + 15  # the opens travel down the pipeline with the first frames
+                while _shard_open_streams(live) != [n, n]:
+                    assert time.monotonic() < deadline, _shard_open_streams(live)
+                    time.sleep(0.05)
+                assert _router_active(live) == n
         else:
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                call = pool.submit(client.post, live.base + "/v1/completions", json=LONG, headers=headers, timeout=2.0)
-                _wait_until_active(live)
+                call = pool.submit(client.post, live.base + "/v1/completions", json=body, headers=headers, timeout=2.0)
+                _wait_until_active(live, n)
                 with pytest.raises(httpx.ReadTimeout):
                     call.result()
     _wait_until_free(live, timeout=5.0)  # well before the 600 tokens would have been generated

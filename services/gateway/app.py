@@ -24,11 +24,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cascadia.engine.sampling import SamplingParams
 from cascadia.gateway.auth import ConcurrencyLimiter, KeyRing
+from cascadia.gateway.choices import Choices, choice_params
 from cascadia.gateway.errors import ApiError, bad_request, error_body
 from cascadia.gateway.generation import Delta, Generation, TokenLogprob
 from cascadia.gateway.metrics import GatewayMetrics
 from cascadia.gateway.router_client import RouterClient
 from cascadia.gateway.schemas import (
+    MAX_CHOICES,
     AssistantMessage,
     ChatChoice,
     ChatCompletionRequest,
@@ -43,7 +45,6 @@ from cascadia.gateway.schemas import (
     SamplingFields,
     StreamOptions,
     TopLogprob,
-    Usage,
     error_responses,
 )
 from cascadia.gateway.schemas import TokenLogprob as TokenLogprobBody
@@ -205,24 +206,42 @@ class Gateway:
             logprobs=logprobs,
         )
 
-    def generation(self, prefix: str, prompt: list[int], params: SamplingParams, body: SamplingFields) -> Generation:
-        self.metrics.prompt_tokens.inc(len(prompt))
-        return Generation(
-            self.router,
-            self.codec,
-            f"{prefix}-{uuid.uuid4().hex}",
-            prompt,
-            params,
-            body.stop_strings,
-            self.metrics,
-            wants_logprobs=params.logprobs,
-            speculation=body.speculation is not False,
-        )
+    def choices(
+        self, prefix: str, prompts: list[list[int]], params: list[SamplingParams], body: SamplingFields
+    ) -> Choices:
+        """`body.n` generations for each prompt (with its own sampling), each its own request on the router."""
+        n = body.n or 1
+        if len(prompts) * n > MAX_CHOICES:
+            raise bad_request(
+                f"This request asks for {len(prompts) * n} choices ({len(prompts)} prompts, n={n}); the limit "
+                f"is {MAX_CHOICES} a request.",
+                "n",
+            )
+        response_id = f"{prefix}-{uuid.uuid4().hex}"
+        generations = []
+        for prompt, prompt_params in zip(prompts, params, strict=True):
+            for j in range(n):
+                self.metrics.prompt_tokens.inc(len(prompt))  # each choice runs its own prefill
+                request_id = response_id if len(prompts) * n == 1 else f"{response_id}-{len(generations)}"
+                generations.append(
+                    Generation(
+                        self.router,
+                        self.codec,
+                        request_id,
+                        prompt,
+                        choice_params(prompt_params, j),
+                        body.stop_strings,
+                        self.metrics,
+                        wants_logprobs=prompt_params.logprobs,
+                        speculation=body.speculation is not False,
+                    )
+                )
+        return Choices(response_id, prompts, generations)
 
 
-async def _run_to_end(gateway: Gateway, request: Request, generation: Generation, key: str) -> None:
+async def _run_to_end(gateway: Gateway, request: Request, choices: Choices, key: str) -> None:
     try:
-        await _run_watched(request, generation)
+        await _run_watched(request, choices)
     finally:
         gateway.limiter.release(key)
 
@@ -234,14 +253,14 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def _run_watched(request: Request, generation: Generation) -> None:
-    """Run a non-streaming generation; stop it on the router if the client disconnects."""
-    work = asyncio.ensure_future(generation.run())
+async def _run_watched(request: Request, choices: Choices) -> None:
+    """Run a non-streaming request's generations; stop them on the router if the client disconnects."""
+    work = asyncio.ensure_future(choices.run())
     watch = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():
-            generation.abort()
+            choices.abort()
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
             raise ApiError(499, "The client closed the connection.", code="client_disconnected")
@@ -256,17 +275,17 @@ def _sse(payload: dict[str, Any]) -> str:
 
 async def _stream(
     request: Request,
-    generation: Generation,
-    chunks: Callable[[Delta], dict | None],
+    choices: Choices,
+    chunks: Callable[[int, Delta], dict | None],
     usage_chunk: Callable[[], dict] | None,
     release: Callable[[], None],
     metrics: GatewayMetrics,
 ) -> AsyncIterator[str]:
     watch = asyncio.ensure_future(_wait_for_disconnect(request))
-    watch.add_done_callback(lambda task: None if task.cancelled() else generation.abort())
+    watch.add_done_callback(lambda task: None if task.cancelled() else choices.abort())
     try:
-        async for delta in generation.deltas():
-            chunk = chunks(delta)
+        async for index, delta in choices.deltas():
+            chunk = chunks(index, delta)
             if chunk is not None:
                 yield _sse(chunk)
         if usage_chunk is not None:
@@ -287,7 +306,7 @@ async def _stream(
 class _Envelope:
     """The fields every streamed chunk of one response carries, and its closing usage chunk."""
 
-    generation: Generation
+    choices: Choices
     object: str
     created: int
     model: str
@@ -299,7 +318,7 @@ class _Envelope:
 
     def chunk(self, choice: dict[str, Any] | None) -> dict[str, Any]:
         out = {
-            "id": self.generation.request_id,
+            "id": self.choices.response_id,
             "object": self.object,
             "created": self.created,
             "model": self.model,
@@ -310,25 +329,20 @@ class _Envelope:
         return out
 
     def usage(self) -> dict[str, Any]:
-        return self.chunk(None) | {"usage": _usage(self.generation).model_dump()}
+        return self.chunk(None) | {"usage": self.choices.usage().model_dump()}
 
 
 def _streaming_response(
     request: Request,
-    generation: Generation,
-    chunks: Callable[[Delta], dict | None],
+    choices: Choices,
+    chunks: Callable[[int, Delta], dict | None],
     envelope: _Envelope,
     release: Callable[[], None],
     metrics: GatewayMetrics,
 ) -> Response:
     usage = envelope.usage if envelope.include_usage else None
-    stream = _stream(request, generation, chunks, usage, release, metrics)
+    stream = _stream(request, choices, chunks, usage, release, metrics)
     return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
-
-
-def _usage(generation: Generation) -> Usage:
-    prompt, completion = len(generation.prompt), generation.completion_tokens
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 def _token_bytes(text: str) -> list[int]:
@@ -461,43 +475,44 @@ def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, ke
         gateway.check_model(body.model)
         if body.echo:
             raise bad_request("'echo' is not supported: the prompt is never repeated in the output.", "echo")
-        prompt = body.prompt
-        if isinstance(prompt, list) and isinstance(prompt[0], (list, str)):
-            prompt = prompt[0]
-        ids = codec.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        max_tokens = gateway.check_prompt(ids, body.max_tokens, "prompt")
+        prompts = [codec.encode(p) if isinstance(p, str) else list(p) for p in body.prompts]
         top = body.logprobs or 0
-        params = gateway.sampling(body, max_tokens, body.logprobs is not None, top)
-        generation = gateway.generation("cmpl", ids, params, body)
+        params = [
+            gateway.sampling(body, gateway.check_prompt(ids, body.max_tokens, "prompt"), body.logprobs is not None, top)
+            for ids in prompts
+        ]
+        choices = gateway.choices("cmpl", prompts, params, body)
         created = int(time.time())
         gateway.limiter.acquire(key)
         if body.stream:
-            offset = 0
+            offsets: dict[int, int] = {}
 
-            def chunk(delta: Delta) -> dict | None:  # one per token, as OpenAI streams them
-                nonlocal offset
+            def chunk(index: int, delta: Delta) -> dict | None:  # one per token, as OpenAI streams them
                 logprobs = None
                 if body.logprobs is not None:
+                    offset = offsets.get(index, 0)
                     logprobs = _completion_logprobs(delta.tokens, offset, top > 0).model_dump()
-                    offset += sum(len(t.text) for t in delta.tokens)
-                choice = {"index": 0, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
-                return envelope.chunk(choice)
+                    offsets[index] = offset + sum(len(t.text) for t in delta.tokens)
+                choice = {"index": index, "text": delta.text, "logprobs": logprobs}
+                return envelope.chunk(choice | {"finish_reason": delta.finish_reason})
 
-            envelope = _Envelope(generation, "text_completion", created, config.model_name, body.stream_options)
-            return _streaming_response(
-                request, generation, chunk, envelope, lambda: gateway.limiter.release(key), metrics
-            )
-        await _run_to_end(gateway, request, generation, key)
-        logprobs = _completion_logprobs(generation.logprobs, 0, top > 0) if body.logprobs is not None else None
-        choice = CompletionChoice(
-            index=0, text=generation.text, logprobs=logprobs, finish_reason=generation.finish_reason
-        )
+            envelope = _Envelope(choices, "text_completion", created, config.model_name, body.stream_options)
+            return _streaming_response(request, choices, chunk, envelope, lambda: gateway.limiter.release(key), metrics)
+        await _run_to_end(gateway, request, choices, key)
         return CompletionResponse(
-            id=generation.request_id,
+            id=choices.response_id,
             created=created,
             model=config.model_name,
-            choices=[choice],
-            usage=_usage(generation),
+            choices=[
+                CompletionChoice(
+                    index=index,
+                    text=g.text,
+                    logprobs=_completion_logprobs(g.logprobs, 0, top > 0) if body.logprobs is not None else None,
+                    finish_reason=g.finish_reason,
+                )
+                for index, g in enumerate(choices.generations)
+            ],
+            usage=choices.usage(),
         )
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**errors, **both})
@@ -516,14 +531,14 @@ def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, ke
             raise bad_request("The messages render to an empty prompt.", "messages")
         max_tokens = gateway.check_prompt(ids, body.max_completion_tokens or body.max_tokens, "messages")
         params = gateway.sampling(body, max_tokens, bool(body.logprobs), body.top_logprobs or 0 if body.logprobs else 0)
-        generation = gateway.generation("chatcmpl", ids, params, body)
+        choices = gateway.choices("chatcmpl", [ids], [params], body)
         created = int(time.time())
         gateway.limiter.acquire(key)
         if body.stream:
-            first = True
+            started: set[int] = set()
 
-            def chunk(delta: Delta) -> dict | None:
-                nonlocal first
+            def chunk(index: int, delta: Delta) -> dict | None:
+                first = index not in started
                 if not (first or delta.text or delta.finish_reason or delta.tokens):
                     return None
                 content: dict[str, Any] = {}
@@ -531,29 +546,28 @@ def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, ke
                     content["role"] = "assistant"
                 if delta.text or first:
                     content["content"] = delta.text
-                first = False
+                started.add(index)
                 logprobs = _chat_logprobs(delta.tokens).model_dump() if body.logprobs else None
-                choice = {"index": 0, "delta": content, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+                choice = {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": delta.finish_reason}
                 return envelope.chunk(choice)
 
-            envelope = _Envelope(generation, "chat.completion.chunk", created, config.model_name, body.stream_options)
-            return _streaming_response(
-                request, generation, chunk, envelope, lambda: gateway.limiter.release(key), metrics
-            )
-        await _run_to_end(gateway, request, generation, key)
-        logprobs = _chat_logprobs(generation.logprobs) if body.logprobs else None
-        choice = ChatChoice(
-            index=0,
-            message=AssistantMessage(content=generation.text),
-            logprobs=logprobs,
-            finish_reason=generation.finish_reason,
-        )
+            envelope = _Envelope(choices, "chat.completion.chunk", created, config.model_name, body.stream_options)
+            return _streaming_response(request, choices, chunk, envelope, lambda: gateway.limiter.release(key), metrics)
+        await _run_to_end(gateway, request, choices, key)
         return ChatCompletionResponse(
-            id=generation.request_id,
+            id=choices.response_id,
             created=created,
             model=config.model_name,
-            choices=[choice],
-            usage=_usage(generation),
+            choices=[
+                ChatChoice(
+                    index=index,
+                    message=AssistantMessage(content=g.text),
+                    logprobs=_chat_logprobs(g.logprobs) if body.logprobs else None,
+                    finish_reason=g.finish_reason,
+                )
+                for index, g in enumerate(choices.generations)
+            ],
+            usage=choices.usage(),
         )
 
     def openapi() -> dict[str, Any]:

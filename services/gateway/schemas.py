@@ -8,6 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 MAX_STOP_STRINGS = 4
 MAX_SEED = 2**63 - 1
+# generations one request may start: its prompts times n (each is a stream on every stage)
+MAX_CHOICES = 16
 
 
 class Strict(BaseModel):
@@ -28,7 +30,13 @@ class SamplingFields(Strict):
     temperature: float | None = Field(None, ge=0, le=2, description="0 is greedy; default 1.")
     top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling; default 1.")
     top_k: int | None = Field(None, ge=0, description="Extension: keep only the k most likely tokens; 0 is off.")
-    n: int | None = Field(None, ge=1, le=1, description="Only one choice per request is served.")
+    n: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_CHOICES,
+        description=f"Choices per prompt, sampled apart (a seed moves by the choice's index); at most "
+        f"{MAX_CHOICES} choices a request over all its prompts.",
+    )
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Same seed and parameters: same tokens.")
     stop: Stop | None = Field(None, description="Up to 4 strings; text ends before the first one found.")
     stream: bool | None = False
@@ -49,9 +57,9 @@ class SamplingFields(Strict):
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 Text = Annotated[str, Field(min_length=1)]
-# OpenAI also accepts a batch of prompts; one per request is served.
-Prompt = Text | TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
-Prompt = Prompt | Annotated[list[Text], Field(min_length=1, max_length=1)]
+# a batch of prompts, as OpenAI accepts it: each prompt gets its own n choices
+Prompt = Text | TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_CHOICES)]
+Prompt = Prompt | Annotated[list[Text], Field(min_length=1, max_length=MAX_CHOICES)]
 
 
 class CompletionRequest(SamplingFields):
@@ -59,6 +67,13 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(16, ge=1, description="Tokens to generate at most.")
     logprobs: int | None = Field(None, ge=0, le=5, description="Log-probs of this many best tokens per position.")
     echo: bool | None = Field(None, description="Echoing the prompt is not served: only false is accepted.")
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, one or a batch."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]  # type: ignore[list-item]
+        return list(self.prompt)  # type: ignore[arg-type]
 
 
 class TextPart(Strict):
