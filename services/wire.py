@@ -19,6 +19,7 @@ def sampling_message(params: SamplingParams):
         logprobs=params.logprobs,
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
+        logit_bias=dict(params.logit_bias),
     )
 
 
@@ -35,4 +36,5 @@ def sampling_params(message, max_tokens: int = 16, stop_ids: frozenset[int] = fr
         frequency_penalty=message.frequency_penalty,
         top_logprobs=message.top_logprobs,
         logprobs=message.logprobs,
+        logit_bias=tuple(sorted(message.logit_bias.items())),
     )

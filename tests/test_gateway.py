@@ -232,6 +232,22 @@ def test_frequency_penalty_changes_greedy_output_away_from_repeats(live):
     assert max(collections.Counter(penalised).values()) < max(collections.Counter(plain).values())
 
 
+def test_logit_bias_forces_and_bans_tokens_as_the_engine_does(live, solo):
+    prompt = [5, 17, 300, 42, 77]
+    client = live.client()
+    forced = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logit_bias={"123": 100}, logprobs=0
+    )
+    assert forced.choices[0].logprobs.tokens == [live.codec.token_text(123)] * 12
+    greedy = solo(prompt, 6)
+    ids = solo(prompt, 6, logit_bias=((greedy[0], -100.0),))
+    assert ids[0] != greedy[0]
+    banned = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logit_bias={str(greedy[0]): -100}
+    )
+    assert banned.choices[0].text == expected_text(live.codec, ids)
+
+
 def test_chat_top_logprobs_are_sorted_and_include_alternatives(live):
     out = live.client().chat.completions.create(
         model=MODEL,
@@ -350,6 +366,10 @@ def test_streamed_choices_carry_their_index_and_match_the_whole_response(live):
         ({"model": MODEL, "prompt": [[1, 2], [3, 600]]}, 400, "prompt"),
         ({"model": MODEL, "prompt": [[5], [5] * 1000], "max_tokens": 100}, 413, "max_tokens"),
         ({"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo"),
+        ({"model": MODEL, "prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+        ({"model": MODEL, "prompt": "hi", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
+        ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+        ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 1, "05": 2}}, 400, "logit_bias"),
         ({"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "best_of"),
         ({"model": MODEL, "prompt": [1, 2, 600]}, 400, "prompt"),
         ({"model": MODEL, "prompt": [4.5]}, 400, "prompt.list[int].0"),

@@ -3,7 +3,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cascadia.engine.sampling import SamplingParams, choose, filtered_probabilities
+from cascadia.engine.sampling import SamplingParams, apply_logit_bias, choose, filtered_probabilities
+from cascadia.wire import sampling_message, sampling_params
 
 
 def test_greedy_takes_the_argmax():
@@ -29,7 +30,29 @@ def test_same_seed_same_draws_and_draws_follow_the_distribution():
     assert abs(draws.count(0) / 4000 - 0.6) < 0.03
 
 
-@pytest.mark.parametrize("bad", [{"temperature": -1}, {"top_p": 0}, {"top_k": -2}, {"max_tokens": 0}])
+def test_logit_bias_adds_to_the_named_tokens_of_every_row_and_survives_the_wire():
+    params = SamplingParams(logit_bias=((0, 100.0), (2, -100.0)))
+    rows = np.array([[0.1, 3.0, 2.9], [5.0, 1.0, 9.0]], dtype=np.float32)
+    biased = apply_logit_bias(rows, params)
+    np.testing.assert_allclose(biased, [[100.1, 3.0, -97.1], [105.0, 1.0, -91.0]], rtol=1e-6)
+    assert rows[0, 0] == pytest.approx(0.1)  # the caller's logits are left alone
+    assert choose(biased[0], params, np.random.default_rng(0)) == 0
+    assert apply_logit_bias(rows, SamplingParams()) is rows
+    assert sampling_params(sampling_message(params)).logit_bias == params.logit_bias
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"temperature": -1},
+        {"top_p": 0},
+        {"top_k": -2},
+        {"max_tokens": 0},
+        {"logit_bias": ((3, 101.0),)},
+        {"logit_bias": ((-1, 1.0),)},
+        {"logit_bias": ((3, 1.0), (3, 2.0))},
+    ],
+)
 def test_bad_parameters_are_refused(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)

@@ -10,7 +10,7 @@ import numpy as np
 
 from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine
-from cascadia.engine.sampling import SamplingParams, choose
+from cascadia.engine.sampling import SamplingParams, apply_logit_bias, choose
 
 
 @dataclass(frozen=True)
@@ -43,14 +43,14 @@ def generate(
             result = engine.step([Segment(stream, position, n)], prompt[position : position + n], np.array([n - 1]))
             logits = result.logits[0]
             position += n
-        token = choose(logits, params, rng)
+        token = choose(apply_logit_bias(logits, params), params, rng)
         ttft = time.perf_counter() - started
         out = [token]
         decode_started = time.perf_counter()
         while len(out) < params.max_tokens and token not in params.stop_ids:
             result = engine.step([Segment(stream, position, 1)], np.array([token]))
             position += 1
-            token = choose(result.logits[0], params, rng)
+            token = choose(apply_logit_bias(result.logits[0], params), params, rng)
             out.append(token)
         decode_time = time.perf_counter() - decode_started
         rate = (len(out) - 1) / decode_time if len(out) > 1 and decode_time > 0 else 0.0

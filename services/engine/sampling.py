@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # a bias of -100 all but bans a token, +100 all but forces it
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     top_logprobs: int = 0
     logprobs: bool = False  # the sampled token's log-prob is wanted (a full softmax per token)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias) added to its logit before anything else
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -36,6 +38,12 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        tokens = [token for token, _ in self.logit_bias]
+        if len(set(tokens)) != len(tokens) or any(token < 0 for token in tokens):
+            raise ValueError(f"logit_bias needs distinct token ids >= 0, got {sorted(tokens)}")
+        for token, bias in self.logit_bias:
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias of token {token} must be in [-100, 100], got {bias}")
 
     @property
     def wants_logprobs(self) -> bool:
@@ -44,6 +52,16 @@ class SamplingParams:
     @property
     def penalised(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty)
+
+
+def apply_logit_bias(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """OpenAI's logit_bias on one row of logits or several ([..., V]); a new array when there is any."""
+    if not params.logit_bias:
+        return logits
+    tokens, biases = zip(*params.logit_bias, strict=True)
+    biased = logits.astype(np.float32, copy=True)
+    biased[..., list(tokens)] += np.asarray(biases, dtype=np.float32)
+    return biased
 
 
 def apply_penalties(logits: np.ndarray, counts: np.ndarray, params: SamplingParams) -> np.ndarray:

@@ -192,6 +192,20 @@ class Gateway:
             )
         return wanted
 
+    def logit_bias(self, body: SamplingFields) -> tuple[tuple[int, float], ...]:
+        """The request's logit_bias as (token, bias) pairs, its keys checked against the vocabulary (400)."""
+        biases: dict[int, float] = {}
+        for key, bias in (body.logit_bias or {}).items():
+            token = int(key) if key.isascii() and key.isdigit() else -1
+            if not 0 <= token < self.config.vocab_size or token in biases:
+                raise bad_request(
+                    f"Invalid key '{key}' in 'logit_bias': keys are distinct token ids in "
+                    f"[0, {self.config.vocab_size}).",
+                    "logit_bias",
+                )
+            biases[token] = bias
+        return tuple(sorted(biases.items()))
+
     def sampling(self, body: SamplingFields, max_tokens: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
         return SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
@@ -204,6 +218,7 @@ class Gateway:
             frequency_penalty=body.frequency_penalty or 0.0,
             top_logprobs=top_logprobs,
             logprobs=logprobs,
+            logit_bias=self.logit_bias(body),
         )
 
     def choices(

@@ -10,6 +10,7 @@ MAX_STOP_STRINGS = 4
 MAX_SEED = 2**63 - 1
 # generations one request may start: its prompts times n (each is a stream on every stage)
 MAX_CHOICES = 16
+MAX_LOGIT_BIAS_TOKENS = 300  # OpenAI's own bound
 
 
 class Strict(BaseModel):
@@ -42,6 +43,11 @@ class SamplingFields(Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None,
+        max_length=MAX_LOGIT_BIAS_TOKENS,
+        description="Token id (a decimal string) to a bias in [-100, 100] added to its logit before sampling.",
+    )
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     user: str | None = None
     speculation: bool | None = Field(

@@ -24,7 +24,7 @@ from cascadia import tls
 from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.mtp import MtpDrafter
-from cascadia.engine.sampling import SamplingParams, apply_penalties, choose, log_softmax
+from cascadia.engine.sampling import SamplingParams, apply_logit_bias, apply_penalties, choose, log_softmax
 from cascadia.engine.speculation import accept_draft
 from cascadia.frame_stream import FrameStream
 from cascadia.protos import load
@@ -56,10 +56,12 @@ def check_frame(
     vocab: int,
     mtp_depths: int | None = None,
     mtp_streams: frozenset[str] = frozenset(),
+    sampled_vocab: int | None = None,
 ) -> dict[str, int]:
     """Validate a frame against the positions queued so far; returns the positions after it.
 
     `mtp_depths` is given on the last stage (0 when it has no MTP head), with the streams opened for it.
+    `sampled_vocab`: the tokens the head scores (`vocab` when not given), which a logit_bias may name.
     """
     after = dict(expected)
     for rewind in frame.rewinds:
@@ -75,6 +77,9 @@ def check_frame(
             sampling_params(opened.sampling)
         except ValueError as exc:
             raise FrameRejected(f"stream '{opened.stream}': {exc}") from None
+        beyond = sorted(t for t in opened.sampling.logit_bias if t >= (sampled_vocab or vocab))
+        if beyond:
+            raise FrameRejected(f"stream '{opened.stream}': logit_bias names token {beyond[0]}, beyond the vocabulary")
         after[opened.stream] = 0
         if opened.mtp and mtp_depths == 0:
             raise FrameRejected(f"stream '{opened.stream}' asks for MTP drafts but this stage has no MTP head")
@@ -169,6 +174,7 @@ class ShardServicer(rpc.ShardServicer):
                 self.engine.shape.vocab_size,
                 self._mtp_depths,
                 frozenset(self.mtp_streams),
+                self.engine.shape.unpadded_vocab_size,
             )
         except FrameRejected as exc:
             return str(exc)
@@ -369,13 +375,13 @@ class ShardServicer(rpc.ShardServicer):
             sampler = self.samplers[block.stream]
             params = sampler.params
             if block.draft:
-                rows = logits[k : k + len(block.draft) + 1]
+                rows = apply_logit_bias(logits[k : k + len(block.draft) + 1], params)
                 k += len(block.draft) + 1
                 tokens = accept_draft(rows, list(block.draft), params, sampler.rng)
                 for row, token in zip(rows, tokens, strict=False):
                     result.tokens.append(self._sampled(block.stream, row, token, params))
                 continue
-            row = logits[k]
+            row = apply_logit_bias(logits[k], params)
             k += 1
             if params.penalised:
                 if sampler.counts is None:
