@@ -264,6 +264,10 @@ def test_router_process_streams_tokens_cancels_and_reports_stats(fleet_of, solo,
                 await stub.Generate(
                     pb.GenerateRequest(request_id="bad", prompt_ids=[], max_tokens=4), timeout=10
                 ).read()
+            with pytest.raises(grpc.aio.AioRpcError) as outside:
+                await stub.Generate(
+                    pb.GenerateRequest(request_id="outside", prompt_ids=[1, 10**6], max_tokens=4), timeout=10
+                ).read()
             shard_stats = []
             for addr in fleet.stage_addrs:  # every stage freed the finished and the cancelled stream
                 async with grpc.aio.insecure_channel(addr) as shard_channel:
@@ -273,12 +277,13 @@ def test_router_process_streams_tokens_cancels_and_reports_stats(fleet_of, solo,
                             break
                         await asyncio.sleep(0.1)
                     shard_stats.append(one)
-            return tokens, stats, bad.value, shard_stats
+            return tokens, stats, bad.value, outside.value, shard_stats
 
-    tokens, stats, bad, shard_stats = asyncio.run(go())
+    tokens, stats, bad, outside, shard_stats = asyncio.run(go())
     assert tokens == solo(request)
     assert stats.active_streams == 0 and stats.frames_in_flight == 0
     assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt is empty" in bad.details()
+    assert outside.code() == grpc.StatusCode.INVALID_ARGUMENT and "outside the vocabulary" in outside.details()
     held = [(s.open_streams, s.state_bytes, s.held_state_bytes) for s in shard_stats]
     assert held == [(0, 0, 0)] * len(fleet.stage_addrs)
 
@@ -292,6 +297,7 @@ def test_a_stream_past_its_context_budget_fails_naming_the_stage_and_the_chain_k
         driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, SchedulerConfig(stages=2))
         await driver.start()
         await driver.wait_ready()
+        driver.limits = None  # the stage's own check, behind the router's
         with pytest.raises(RequestFailed, match=r"stage \d: .*context budget of 1024"):
             await driver.generate(too_long)
         results = [await driver.generate(r) for r in after]
@@ -300,6 +306,39 @@ def test_a_stream_past_its_context_budget_fails_naming_the_stage_and_the_chain_k
 
     results = asyncio.run(go())
     assert [r.tokens for r in results] == [solo(r) for r in after]
+
+
+def test_requests_beyond_the_fleets_limits_are_refused_at_the_router_and_others_run_on(fleet_of, solo):
+    """A stage refuses a frame whole: a request it would refuse must never share a frame with others."""
+    fleet = fleet_of(2)
+    good = prompts(3, seed=5)
+    vocab = load_shape(fleet.model).vocab_size
+    bad = [
+        (Request("long", tuple([5] * 1000), SamplingParams(max_tokens=100)), "exceed the fleet's context of 1024"),
+        (Request("id", (5, vocab), SamplingParams(max_tokens=4)), f"token id {vocab} is outside"),
+        (Request("bias", (5, 6), SamplingParams(logit_bias=((vocab + 3, 1.0),))), f"names token {vocab + 3}"),
+    ]
+
+    async def go():
+        driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, SchedulerConfig(stages=2))
+        await driver.start()
+        try:
+            await driver.wait_ready()
+            running = [asyncio.ensure_future(driver.generate(r)) for r in good]
+            refusals = []
+            for request, _ in bad:
+                with pytest.raises(ValueError) as refused:
+                    await driver.submit(request)
+                refusals.append(str(refused.value))
+            return driver.limits, refusals, await asyncio.gather(*running)
+        finally:
+            await driver.stop()
+
+    limits, refusals, results = asyncio.run(go())
+    assert (limits.vocab, limits.context) == (vocab, 1024)
+    for message, (_, expected) in zip(refusals, bad, strict=True):
+        assert expected in message
+    assert [r.tokens for r in results] == [solo(r) for r in good]
 
 
 def test_requests_queued_while_a_shard_is_down_are_served_once_it_is_back(fleet_of, solo, tmp_path):

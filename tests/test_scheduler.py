@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace as Stats
+
 import numpy as np
 import pytest
 
@@ -12,6 +14,7 @@ from cascadia.engine.sampling import SamplingParams
 from cascadia.engine.settings import EngineSettings
 from cascadia.model.checkpoint import load_stage
 from cascadia.model.config import load_shape
+from cascadia.router.limits import FleetLimits, check_request, fleet_limits
 from cascadia.router.scheduler import Overloaded, Request, Scheduler, SchedulerConfig
 
 
@@ -203,3 +206,17 @@ def test_a_speculating_schedule_drafts_as_long_as_a_lone_streams_block_has_room_
     assert base.max_draft == 0  # the schedule it came from is unchanged
     with pytest.raises(ValueError, match="max_draft"):
         SchedulerConfig(stages=3, rows_per_group=8).speculating(8)
+
+
+def test_fleet_limits_come_from_the_first_last_and_tightest_stages_and_refuse_what_does_not_fit():
+    stages = [Stats(vocab_size=512, sampled_vocab=500, context=0), Stats(vocab_size=512, sampled_vocab=500, context=64)]
+    limits = fleet_limits(stages)
+    assert limits == FleetLimits(vocab=512, sampled_vocab=500, context=64)
+    check_request((1, 511), SamplingParams(max_tokens=62, logit_bias=((499, 5.0),)), limits)
+    with pytest.raises(ValueError, match="token id 512 is outside the vocabulary"):
+        check_request((1, 512), SamplingParams(), limits)
+    with pytest.raises(ValueError, match="logit_bias names token 500"):
+        check_request((1,), SamplingParams(logit_bias=((500, 5.0),)), limits)
+    with pytest.raises(ValueError, match="2 prompt tokens and max_tokens 63 exceed the fleet's context of 64"):
+        check_request((1, 2), SamplingParams(max_tokens=63), limits)
+    check_request((10**6,) * 100, SamplingParams(max_tokens=10**6), FleetLimits(0, 0, 0))  # nothing reported

@@ -544,6 +544,11 @@ class StageEngine:
     def position(self, stream: Hashable) -> int:
         return self._stream(stream).position
 
+    @property
+    def context_limit(self) -> int:
+        """Positions a stream opened with the default budget can reach here (0: no global layer, no limit)."""
+        return self.settings.context if self._has_global else 0
+
     def kv_bytes_per_position(self) -> int:
         """KV bytes one more position of one stream costs on this stage (global layers; sliding ones are bounded)."""
         precision = self.settings.kv_precision

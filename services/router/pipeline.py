@@ -7,6 +7,7 @@ stage's results on its Collector service, and feeds them back to the scheduler.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cascadia import tls
 from cascadia.draft.client import Proposer
 from cascadia.frame_stream import FrameStream
+from cascadia.router.limits import FleetLimits, check_request, fleet_limits
 from cascadia.router.scheduler import (
     DraftWanted,
     Emitted,
@@ -106,6 +108,7 @@ class PipelineDriver:
         self.stopping = asyncio.Event()
         self.down_after_s = 2.0  # health checks failing this long mark a stage down
         self._failing_since: dict[int, float] = {}
+        self.limits: FleetLimits | None = None  # learnt from the stages once they all serve
 
     async def start(self) -> None:
         self._server = tls.server(CHANNEL_OPTIONS)
@@ -123,6 +126,7 @@ class PipelineDriver:
         while True:
             states = await self.stage_health()
             if all(states):
+                await self.learn_limits()
                 self.scheduler.set_chain_ready(True)
                 await self.pump()
                 return
@@ -135,6 +139,11 @@ class PipelineDriver:
         """Every stage's `Stats` (open streams, state bytes, busy seconds, frames computed), in chain order."""
         calls = (rpc.ShardStub(c).Stats(pb.StatsRequest(), timeout=5) for c in self._channels)
         return list(await asyncio.gather(*calls))
+
+    async def learn_limits(self) -> None:
+        """What requests must fit from now on, as the stages report it (kept as it was if one does not answer)."""
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            self.limits = fleet_limits(await self.stage_stats())
 
     async def stage_health(self) -> list[bool]:
         async def one(channel: grpc.aio.Channel) -> bool:
@@ -177,6 +186,8 @@ class PipelineDriver:
         """Queue a request (raises `Overloaded` when the queue is full); its events arrive on `.events`."""
         if request.id in self._pending:
             raise ValueError(f"request {request.id} is already running")
+        if self.limits is not None:
+            check_request(request.prompt, request.params, self.limits)
         pending = _Pending(request)
         self.scheduler.submit(request)
         self._pending[request.id] = pending

@@ -90,9 +90,13 @@ async def serve(driver: PipelineDriver, listen: str) -> None:
     tls.add_port(server, listen)
     await server.start()
     log.info("router on %s, waiting for %d stages", listen, len(driver.stage_addrs))
+    was_serving = False
     try:
         while True:  # readiness follows the whole chain
             serving = all(await driver.stage_health())
+            if serving and not was_serving:  # stages that came back may hold other settings
+                await driver.learn_limits()
+            was_serving = serving
             driver.scheduler.set_chain_ready(serving)
             if serving:
                 await driver.pump()  # requests queued while the chain was down go out now

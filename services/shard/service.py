@@ -236,6 +236,9 @@ class ShardServicer(rpc.ShardServicer):
             queued_frames=self.queue.qsize(),
             compute_seconds=self.compute_seconds,
             frames_computed=self.frames_computed,
+            vocab_size=self.engine.shape.vocab_size,
+            sampled_vocab=self.engine.shape.unpadded_vocab_size,
+            context=self.engine.context_limit,
         )
 
     async def run(self) -> None:
