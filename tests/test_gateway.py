@@ -16,13 +16,15 @@ from pathlib import Path
 
 import grpc
 import httpx
+import numpy as np
 import openai
 import pytest
 
 from cascadia.bench.load import wait_until_ready
+from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.generate import generate
-from cascadia.engine.sampling import SamplingParams
+from cascadia.engine.sampling import SamplingParams, log_softmax
 from cascadia.engine.settings import EngineSettings
 from cascadia.gateway.text import TextCodec
 from cascadia.model.checkpoint import load_stage
@@ -108,9 +110,14 @@ def gateway_process(tiny, live, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def solo(tiny):
+def solo_engine(tiny):
+    return StageEngine(load_stage(tiny, 0, load_shape(tiny).num_layers), EngineSettings())
+
+
+@pytest.fixture(scope="module")
+def solo(tiny, solo_engine):
     """Token ids the single-process engine generates: what the fleet must reproduce."""
-    engine = StageEngine(load_stage(tiny, 0, load_shape(tiny).num_layers), EngineSettings())
+    engine = solo_engine
     stops = TextCodec.from_directory(tiny).stop_token_ids
 
     def run(prompt: list[int], max_tokens: int, **sampling) -> list[int]:
@@ -248,6 +255,37 @@ def test_logit_bias_forces_and_bans_tokens_as_the_engine_does(live, solo):
     assert banned.choices[0].text == expected_text(live.codec, ids)
 
 
+def test_echo_returns_the_prompt_and_each_prompt_tokens_log_prob_as_the_engine_gives_it(live, solo, solo_engine):
+    prompt = [5, 17, 300, 42, 77, 9, 11, 12, 13, 14]  # two prefill windows of the router
+    solo_engine.open("echo")
+    try:
+        logits = solo_engine.step([Segment("echo", 0, len(prompt))], np.array(prompt), np.arange(len(prompt))).logits
+    finally:
+        solo_engine.close("echo")
+    expected = log_softmax(logits[:-1])  # row i scores token i + 1
+    client = live.client()
+    args = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True}
+    out = client.completions.create(logprobs=2, **args)
+    choice, completion = out.choices[0], expected_text(live.codec, solo(prompt, 3))
+    assert choice.text == live.codec.decode(prompt) + completion
+    logprobs = choice.logprobs
+    assert logprobs.tokens[: len(prompt)] == [live.codec.token_text(t) for t in prompt]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    scored = expected[np.arange(len(prompt) - 1), prompt[1:]]
+    np.testing.assert_allclose(logprobs.token_logprobs[1 : len(prompt)], scored, atol=1e-4)
+    for position in range(1, len(prompt)):
+        row = expected[position - 1]  # keyed by text, as OpenAI keys them (tokens of the same text collapse)
+        best = {live.codec.token_text(int(t)): row[t] for t in np.argsort(-row, kind="stable")[:2]}
+        assert logprobs.top_logprobs[position] == pytest.approx(best, abs=1e-4)
+    assert len(logprobs.tokens) == len(prompt) + out.usage.completion_tokens
+    assert out.usage.prompt_tokens == len(prompt)
+    chunks = [c.choices[0] for c in client.completions.create(logprobs=2, stream=True, **args) if c.choices]
+    assert "".join(c.text for c in chunks) == choice.text
+    assert [lp for c in chunks for lp in c.logprobs.token_logprobs] == logprobs.token_logprobs
+    plain = client.completions.create(**args)
+    assert plain.choices[0].text == choice.text and plain.choices[0].logprobs is None
+
+
 def test_chat_top_logprobs_are_sorted_and_include_alternatives(live):
     out = live.client().chat.completions.create(
         model=MODEL,
@@ -361,11 +399,11 @@ def test_streamed_choices_carry_their_index_and_match_the_whole_response(live):
         ({"model": MODEL, "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+        ({"model": MODEL, "prompt": "hi", "top_k": 2**80}, 400, "top_k"),
         ({"model": MODEL, "prompt": "hi", "n": 17}, 400, "n"),
         ({"model": MODEL, "prompt": ["a", "b", "c"], "n": 6}, 400, "n"),  # 18 choices
         ({"model": MODEL, "prompt": [[1, 2], [3, 600]]}, 400, "prompt"),
         ({"model": MODEL, "prompt": [[5], [5] * 1000], "max_tokens": 100}, 413, "max_tokens"),
-        ({"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo"),
         ({"model": MODEL, "prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
         ({"model": MODEL, "prompt": "hi", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
         ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),

@@ -103,6 +103,27 @@ def test_log_probs_are_computed_only_for_streams_that_ask_and_match_the_engine(f
     assert min(expected) < -1e-3  # the check can fail: not every token is certain
 
 
+def test_prompt_scores_are_the_engines_log_probs_of_each_prompt_token_across_windows(fleet_of, solo_engine, solo):
+    prompt = tuple(3 + (i * 29) % 250 for i in range(21))  # windows of 8, 8 and 5 rows
+    scored = Request("scored", prompt, SamplingParams(max_tokens=3, top_logprobs=2), score_prompt=True)
+    plain = Request("plain", prompt, SamplingParams(max_tokens=3))
+    config = SchedulerConfig(stages=2, prefill_window=8)
+    _, (with_scores, without) = asyncio.run(run_fleet(fleet_of(2), [scored, plain], config))
+    assert with_scores.tokens == without.tokens == solo(plain)
+    assert without.prompt_scores == []
+    solo_engine.open("scores")
+    try:
+        logits = solo_engine.step([Segment("scores", 0, len(prompt))], np.array(prompt), np.arange(len(prompt))).logits
+    finally:
+        solo_engine.close("scores")
+    expected = log_softmax(logits[:-1])  # row i scores token i + 1
+    got = with_scores.prompt_scores
+    assert len(got) == len(prompt) - 1
+    np.testing.assert_allclose([t.logprob for t in got], expected[np.arange(len(got)), prompt[1:]], atol=1e-4)
+    assert [[t.token for t in s.top] for s in got] == [list(np.argsort(-row, kind="stable")[:2]) for row in expected]
+    assert min(expected[np.arange(len(got)), prompt[1:]]) < -1e-3  # the check can fail
+
+
 def test_stage_stats_account_every_frame_and_the_chain_costs_add_up(fleet_of):
     """Stats from every real stage before and after a run: each stage computed every frame once, and
     with one frame on the chain a frame's time covers the stages' busy time."""

@@ -76,6 +76,18 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
+def scored_tokens(logprobs: np.ndarray, tokens: np.ndarray, top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Each row's log-prob of its token, and its `top` best tokens with theirs (best first).
+
+    `logprobs` [N, V] from `log_softmax`, `tokens` [N]: a prompt scored one position ahead.
+    """
+    out = []
+    for row, token in zip(logprobs, tokens, strict=True):
+        best = np.argsort(-row, kind="stable")[:top] if top else ()
+        out.append((float(row[token]), [(int(t), float(row[t])) for t in best]))
+    return out
+
+
 def filtered_probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """The distribution a sampled token is drawn from, after temperature, top-k and top-p."""
     scaled = logits.astype(np.float64) / params.temperature

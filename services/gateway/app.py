@@ -222,7 +222,12 @@ class Gateway:
         )
 
     def choices(
-        self, prefix: str, prompts: list[list[int]], params: list[SamplingParams], body: SamplingFields
+        self,
+        prefix: str,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        body: SamplingFields,
+        score_prompt: bool = False,
     ) -> Choices:
         """`body.n` generations for each prompt (with its own sampling), each its own request on the router."""
         n = body.n or 1
@@ -249,6 +254,7 @@ class Gateway:
                         self.metrics,
                         wants_logprobs=prompt_params.logprobs,
                         speculation=body.speculation is not False,
+                        score_prompt=score_prompt,
                     )
                 )
         return Choices(response_id, prompts, generations)
@@ -370,7 +376,7 @@ def _chat_logprobs(tokens: list[TokenLogprob]) -> ChoiceLogprobs:
             token=t.text,
             logprob=t.logprob,
             bytes=_token_bytes(t.text),
-            top_logprobs=[TopLogprob(token=s, logprob=lp, bytes=_token_bytes(s)) for s, lp in t.top],
+            top_logprobs=[TopLogprob(token=s, logprob=lp, bytes=_token_bytes(s)) for s, lp in t.top or ()],
         )
         for t in tokens
     ]
@@ -385,7 +391,7 @@ def _completion_logprobs(tokens: list[TokenLogprob], offset: int, wants_top: boo
     return CompletionLogprobs(
         tokens=[t.text for t in tokens],
         token_logprobs=[t.logprob for t in tokens],
-        top_logprobs=[dict(t.top) for t in tokens] if wants_top else None,
+        top_logprobs=[None if t.top is None else dict(t.top) for t in tokens] if wants_top else None,
         text_offset=offsets,
     )
 
@@ -488,27 +494,39 @@ def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, ke
     @app.post("/v1/completions", response_model=CompletionResponse, responses={**errors, **both})
     async def completions(body: CompletionRequest, request: Request, key: Key) -> Any:
         gateway.check_model(body.model)
-        if body.echo:
-            raise bad_request("'echo' is not supported: the prompt is never repeated in the output.", "echo")
         prompts = [codec.encode(p) if isinstance(p, str) else list(p) for p in body.prompts]
-        top = body.logprobs or 0
+        top, wants_logprobs = body.logprobs or 0, body.logprobs is not None
         params = [
-            gateway.sampling(body, gateway.check_prompt(ids, body.max_tokens, "prompt"), body.logprobs is not None, top)
+            gateway.sampling(body, gateway.check_prompt(ids, body.max_tokens, "prompt"), wants_logprobs, top)
             for ids in prompts
         ]
-        choices = gateway.choices("cmpl", prompts, params, body)
+        choices = gateway.choices("cmpl", prompts, params, body, score_prompt=bool(body.echo) and wants_logprobs)
+        n = body.n or 1
+        echoes = [p if isinstance(p, str) else codec.decode(p) for p in body.prompts] if body.echo else None
+
+        def echoed(index: int, text: str, tokens: list[TokenLogprob]) -> tuple[str, list[TokenLogprob]]:
+            """A choice's first text and tokens, after its prompt's when the request echoes it."""
+            if echoes is None:
+                return text, tokens
+            g = choices.generations[index]
+            prompt = [TokenLogprob(g.prompt[0], codec.token_text(g.prompt[0]), None, None), *g.prompt_logprobs]
+            return echoes[index // n] + text, prompt + tokens
+
         created = int(time.time())
         gateway.limiter.acquire(key)
         if body.stream:
             offsets: dict[int, int] = {}
 
             def chunk(index: int, delta: Delta) -> dict | None:  # one per token, as OpenAI streams them
+                text, tokens = delta.text, delta.tokens
+                if index not in offsets:
+                    text, tokens = echoed(index, text, tokens)
+                    offsets[index] = 0
                 logprobs = None
-                if body.logprobs is not None:
-                    offset = offsets.get(index, 0)
-                    logprobs = _completion_logprobs(delta.tokens, offset, top > 0).model_dump()
-                    offsets[index] = offset + sum(len(t.text) for t in delta.tokens)
-                choice = {"index": index, "text": delta.text, "logprobs": logprobs}
+                if wants_logprobs:
+                    logprobs = _completion_logprobs(tokens, offsets[index], top > 0).model_dump()
+                    offsets[index] += sum(len(t.text) for t in tokens)
+                choice = {"index": index, "text": text, "logprobs": logprobs}
                 return envelope.chunk(choice | {"finish_reason": delta.finish_reason})
 
             envelope = _Envelope(choices, "text_completion", created, config.model_name, body.stream_options)
@@ -521,11 +539,12 @@ def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, ke
             choices=[
                 CompletionChoice(
                     index=index,
-                    text=g.text,
-                    logprobs=_completion_logprobs(g.logprobs, 0, top > 0) if body.logprobs is not None else None,
+                    text=text,
+                    logprobs=_completion_logprobs(tokens, 0, top > 0) if wants_logprobs else None,
                     finish_reason=g.finish_reason,
                 )
                 for index, g in enumerate(choices.generations)
+                for text, tokens in [echoed(index, g.text, g.logprobs)]
             ],
             usage=choices.usage(),
         )

@@ -18,8 +18,8 @@ from cascadia.gateway.text import IncrementalDetokenizer, StopMatcher, TextCodec
 class TokenLogprob:
     token: int
     text: str
-    logprob: float
-    top: tuple[tuple[str, float], ...]
+    logprob: float | None  # None: a prompt's first token, which nothing precedes
+    top: tuple[tuple[str, float], ...] | None
 
 
 @dataclass
@@ -40,11 +40,13 @@ class Generation:
     metrics: GatewayMetrics
     wants_logprobs: bool = False
     speculation: bool = True
+    score_prompt: bool = False  # each prompt token's log-prob given the ones before it, from the first event
     arrived: float = field(default_factory=time.perf_counter)
     completion_tokens: int = 0
     text: str = ""
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1, 2, ... (score_prompt)
     _call: object | None = None
     _tasks: set = field(default_factory=set)
 
@@ -61,13 +63,19 @@ class Generation:
     async def deltas(self) -> AsyncIterator[Delta]:
         detokenizer = IncrementalDetokenizer(self.codec)
         matcher = StopMatcher(self.stops)
-        self._call = self.router.generate(self.request_id, self.prompt, self.params, self.speculation)
+        self._call = self.router.generate(
+            self.request_id, self.prompt, self.params, self.speculation, self.score_prompt
+        )
         last = None
         try:
             async for event in self.router.events(self._call):
                 now = time.perf_counter()
                 if last is None:
                     self.metrics.ttft.observe(now - self.arrived)
+                    self.prompt_logprobs = [
+                        self._token_logprob(token, scored.logprob, scored.top)
+                        for token, scored in zip(self.prompt[1:], event.prompt, strict=False)
+                    ]
                 else:
                     self.metrics.itl.observe(now - last)
                 last = now
@@ -102,8 +110,11 @@ class Generation:
     def _logprob(self, event) -> TokenLogprob | None:
         if not self.wants_logprobs:
             return None
-        top = tuple((self.codec.token_text(t.token), t.logprob) for t in event.top)
-        return TokenLogprob(event.token, self.codec.token_text(event.token), event.logprob, top)
+        return self._token_logprob(event.token, event.logprob, event.top)
+
+    def _token_logprob(self, token: int, logprob: float, top) -> TokenLogprob:
+        best = tuple((self.codec.token_text(t.token), t.logprob) for t in top)
+        return TokenLogprob(token, self.codec.token_text(token), logprob, best)
 
     async def run(self) -> None:
         async for _ in self.deltas():

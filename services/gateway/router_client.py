@@ -63,7 +63,12 @@ class RouterClient:
             self._channel = None
 
     def generate(
-        self, request_id: str, prompt: list[int], params: SamplingParams, speculation: bool = True
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        speculation: bool = True,
+        score_prompt: bool = False,
     ) -> grpc.aio.UnaryStreamCall:
         sampling = sampling_message(params)
         message = pb.GenerateRequest(
@@ -73,6 +78,7 @@ class RouterClient:
             max_tokens=params.max_tokens,
             stop_ids=sorted(params.stop_ids),
             speculation_off=not speculation,
+            score_prompt=score_prompt,
         )
         return self.stub.Generate(message)
 

@@ -30,7 +30,9 @@ class SamplingFields(Strict):
     model: str = Field(description="Name of a model from GET /v1/models.")
     temperature: float | None = Field(None, ge=0, le=2, description="0 is greedy; default 1.")
     top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling; default 1.")
-    top_k: int | None = Field(None, ge=0, description="Extension: keep only the k most likely tokens; 0 is off.")
+    top_k: int | None = Field(
+        None, ge=0, le=2**31 - 1, description="Extension: keep only the k most likely tokens; 0 is off."
+    )
     n: int | None = Field(
         None,
         ge=1,
@@ -72,7 +74,11 @@ class CompletionRequest(SamplingFields):
     prompt: Prompt = Field(description="Text, or token ids used exactly as given (no template, no BOS).")
     max_tokens: int | None = Field(16, ge=1, description="Tokens to generate at most.")
     logprobs: int | None = Field(None, ge=0, le=5, description="Log-probs of this many best tokens per position.")
-    echo: bool | None = Field(None, description="Echoing the prompt is not served: only false is accepted.")
+    echo: bool | None = Field(
+        None,
+        description="The prompt's text before the completion's; with logprobs, each prompt token's log-prob given "
+        "the ones before it (none for the first).",
+    )
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -112,8 +118,8 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]  # None for an echoed prompt's first token, which nothing precedes
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 

@@ -51,6 +51,7 @@ class _Pending:
     error: str | None = None
     first_token_at: float | None = None
     token_times: list[float] = field(default_factory=list)
+    prompt_scores: list = field(default_factory=list)  # ScoredToken of prompt positions 1, 2, ... (score_prompt)
 
 
 class _Collector(rpc.CollectorServicer):
@@ -226,6 +227,10 @@ class PipelineDriver:
             self._closes.extend(failed)  # the other stages still hold their state
             self._fail(failed, result.error)
         else:
+            for scores in result.scores:  # they come in order, before the stream's first token
+                pending = self._pending.get(scores.stream)
+                if pending is not None:
+                    pending.prompt_scores.extend(scores.tokens)
             sampled: dict[str, list] = {}
             for t in result.tokens:  # a verified block returns several tokens, in order
                 sampled.setdefault(t.stream, []).append(t)
@@ -312,9 +317,11 @@ class PipelineDriver:
         out = pb.Frame(frame_id=frame.id)
         for row in frame.rows:
             if row.opens:
-                params = self._pending[row.stream].request.params
-                sampling = sampling_message(params)
-                out.opens.append(pb.StreamOpen(stream=row.stream, sampling=sampling, mtp=row.mtp))
+                request = self._pending[row.stream].request
+                sampling = sampling_message(request.params)
+                out.opens.append(
+                    pb.StreamOpen(stream=row.stream, sampling=sampling, mtp=row.mtp, score_prompt=request.score_prompt)
+                )
             out.rows.append(
                 pb.RowBlock(
                     stream=row.stream,

@@ -83,6 +83,7 @@ class Request:
     prompt: tuple[int, ...]
     params: SamplingParams
     speculate: bool = True  # drafts may be verified for this request (when the router speculates)
+    score_prompt: bool = False  # the last stage scores each prompt token given the ones before it
 
     def __post_init__(self) -> None:
         if not self.prompt:

@@ -28,21 +28,33 @@ class RouterServicer(rpc.RouterServicer):
             params = sampling_params(request.sampling, request.max_tokens or 16, frozenset(request.stop_ids))
             rid = request.request_id or f"req-{next(self._ids)}"
             pending = await self.driver.submit(
-                Request(rid, tuple(request.prompt_ids), params, speculate=not request.speculation_off)
+                Request(
+                    rid,
+                    tuple(request.prompt_ids),
+                    params,
+                    speculate=not request.speculation_off,
+                    score_prompt=request.score_prompt,
+                )
             )
         except Overloaded as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
+            first = True
             while True:
                 item = await pending.events.get()
                 if item is None:
                     break
                 event, sampled = item
                 yield pb.GenerateEvent(
-                    token=event.token, logprob=sampled.logprob, finish_reason=event.finished or "", top=sampled.top
+                    token=event.token,
+                    logprob=sampled.logprob,
+                    finish_reason=event.finished or "",
+                    top=sampled.top,
+                    prompt=pending.prompt_scores if first else (),
                 )
+                first = False
             if pending.error and pending.error != "cancelled":
                 await context.abort(grpc.StatusCode.UNAVAILABLE, pending.error)
         finally:

@@ -24,7 +24,14 @@ from cascadia import tls
 from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.mtp import MtpDrafter
-from cascadia.engine.sampling import SamplingParams, apply_logit_bias, apply_penalties, choose, log_softmax
+from cascadia.engine.sampling import (
+    SamplingParams,
+    apply_logit_bias,
+    apply_penalties,
+    choose,
+    log_softmax,
+    scored_tokens,
+)
 from cascadia.engine.speculation import accept_draft
 from cascadia.frame_stream import FrameStream
 from cascadia.protos import load
@@ -46,6 +53,12 @@ class _Sampler:
     params: SamplingParams
     rng: np.random.Generator
     counts: np.ndarray | None = None  # how often each token was sampled, for the penalties
+    scores_prompt: bool = False  # until its first token, every prompt token is scored
+    sampled: bool = False
+    carry: np.ndarray | None = None  # the log-probs after the last block's last row, for the next block's first token
+
+    def scoring(self, block) -> bool:
+        return self.scores_prompt and not self.sampled and not block.draft
 
 
 def check_frame(
@@ -284,7 +297,9 @@ class ShardServicer(rpc.ShardServicer):
                 capture.opened(opened.stream)
             if engine.is_last:
                 params = sampling_params(opened.sampling)
-                self.samplers[opened.stream] = _Sampler(params, np.random.default_rng(params.seed))
+                self.samplers[opened.stream] = _Sampler(
+                    params, np.random.default_rng(params.seed), scores_prompt=opened.score_prompt
+                )
         segments = [Segment(b.stream, b.start, b.length) for b in frame.rows]
         out = pb.Frame(frame_id=frame.frame_id)
         result = None
@@ -297,7 +312,10 @@ class ShardServicer(rpc.ShardServicer):
             wanted, offset = [], 0
             for block in frame.rows:
                 offset += block.length
-                if block.wants_token:  # a verified block needs every drafted position's logits too
+                sampler = self.samplers.get(block.stream)
+                if sampler is not None and sampler.scoring(block):  # a prompt scored: every row
+                    wanted.extend(range(offset - block.length, offset))
+                elif block.wants_token:  # a verified block needs every drafted position's logits too
                     wanted.extend(range(offset - 1 - len(block.draft), offset))
             trace: list[np.ndarray] | None = [] if capture is not None and capture.settings.every_layer else None
             step = engine.step(segments, inputs, np.array(wanted, dtype=np.int64) if engine.is_last else None, trace)
@@ -371,12 +389,22 @@ class ShardServicer(rpc.ShardServicer):
 
     def _sample(self, frame, logits: np.ndarray):
         result = pb.FrameResult(frame_id=frame.frame_id)
-        k = 0
+        k, first = 0, 0
         for block in frame.rows:
-            if not block.wants_token:
-                continue
+            first, block_first = first + block.length, first
             sampler = self.samplers[block.stream]
             params = sampler.params
+            if sampler.scoring(block):
+                rows = logits[k : k + block.length]
+                k += block.length
+                ids = np.asarray(frame.token_ids[block_first : block_first + block.length])
+                result.scores.append(self._scores(block, rows, ids, sampler))
+                if not block.wants_token:
+                    continue
+                k -= 1  # the block's last row is sampled below
+            if not block.wants_token:
+                continue
+            sampler.sampled = True
             if block.draft:
                 rows = apply_logit_bias(logits[k : k + len(block.draft) + 1], params)
                 k += len(block.draft) + 1
@@ -395,6 +423,22 @@ class ShardServicer(rpc.ShardServicer):
                 sampler.counts[token] += 1
             result.tokens.append(self._sampled(block.stream, row, token, params))
         return result
+
+    @staticmethod
+    def _scores(block, rows: np.ndarray, ids: np.ndarray, sampler: _Sampler):
+        """Each prompt token of `block` after the stream's first, given the tokens before it (the model's own
+        distribution: no bias, penalty or temperature); the last row's log-probs wait for the next block."""
+        logprobs = log_softmax(rows)
+        if sampler.carry is None:  # the stream's first token has nothing before it
+            scored, targets, position = logprobs[:-1], ids[1:], block.start + 1
+        else:
+            scored, targets, position = np.concatenate([sampler.carry[None], logprobs[:-1]]), ids, block.start
+        sampler.carry = None if block.wants_token else logprobs[-1]
+        out = pb.PromptScores(stream=block.stream, position=position)
+        for logprob, best in scored_tokens(scored, targets, sampler.params.top_logprobs):
+            token = out.tokens.add(logprob=logprob)
+            token.top.extend(pb.TopLogprob(token=t, logprob=lp) for t, lp in best)
+        return out
 
     @staticmethod
     def _sampled(stream: str, row: np.ndarray, token: int, params: SamplingParams):
