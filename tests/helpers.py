@@ -1,14 +1,19 @@
-"""Waiting for real gRPC services in tests (the router's whole chain, any standard health service); their logs."""
+"""Waiting for real gRPC services in tests (the router's whole chain, any standard health service); their logs;
+the single-process engine's scores of a prompt."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cascadia.engine.batch import Segment
+from cascadia.engine.sampling import log_softmax
 from cascadia.shard.service import pb
 
 
@@ -44,3 +49,15 @@ def print_logs(directory: Path, tail: int = 4000) -> None:
     """The end of every process log in `directory`, for pytest to show when the test fails."""
     for log in sorted(directory.glob("*.log")):
         print(f"--- {log.name} ---\n{log.read_text(errors='replace')[-tail:]}")
+
+
+def next_token_log_probs(engine, prompt: Sequence[int]) -> np.ndarray:
+    """[len(prompt) - 1, V]: the log-probs the whole-model `engine` gives after each prompt row but the last,
+    so that row i scores prompt token i + 1."""
+    engine.open("next-token-log-probs")
+    try:
+        rows = np.arange(len(prompt))
+        logits = engine.step([Segment("next-token-log-probs", 0, len(prompt))], np.array(prompt), rows).logits
+    finally:
+        engine.close("next-token-log-probs")
+    return log_softmax(logits[:-1])

@@ -21,17 +21,16 @@ import openai
 import pytest
 
 from cascadia.bench.load import wait_until_ready
-from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.generate import generate
-from cascadia.engine.sampling import SamplingParams, log_softmax
+from cascadia.engine.sampling import SamplingParams
 from cascadia.engine.settings import EngineSettings
 from cascadia.gateway.text import TextCodec
 from cascadia.model.checkpoint import load_stage
 from cascadia.model.config import load_shape
 from cascadia.router.local import free_port
 from cascadia.shard.service import pb, rpc
-from tests.helpers import print_logs
+from tests.helpers import next_token_log_probs, print_logs
 
 pytestmark = pytest.mark.slow
 
@@ -257,12 +256,7 @@ def test_logit_bias_forces_and_bans_tokens_as_the_engine_does(live, solo):
 
 def test_echo_returns_the_prompt_and_each_prompt_tokens_log_prob_as_the_engine_gives_it(live, solo, solo_engine):
     prompt = [5, 17, 300, 42, 77, 9, 11, 12, 13, 14]  # two prefill windows of the router
-    solo_engine.open("echo")
-    try:
-        logits = solo_engine.step([Segment("echo", 0, len(prompt))], np.array(prompt), np.arange(len(prompt))).logits
-    finally:
-        solo_engine.close("echo")
-    expected = log_softmax(logits[:-1])  # row i scores token i + 1
+    expected = next_token_log_probs(solo_engine, prompt)
     client = live.client()
     args = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True}
     out = client.completions.create(logprobs=2, **args)

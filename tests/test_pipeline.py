@@ -20,7 +20,7 @@ from cascadia.router.local import LocalFleet
 from cascadia.router.pipeline import PipelineDriver, RequestFailed
 from cascadia.router.scheduler import Request, SchedulerConfig
 from cascadia.shard.service import pb, rpc
-from tests.helpers import router_ready
+from tests.helpers import next_token_log_probs, router_ready
 
 pytestmark = pytest.mark.slow
 
@@ -111,12 +111,7 @@ def test_prompt_scores_are_the_engines_log_probs_of_each_prompt_token_across_win
     _, (with_scores, without) = asyncio.run(run_fleet(fleet_of(2), [scored, plain], config))
     assert with_scores.tokens == without.tokens == solo(plain)
     assert without.prompt_scores == []
-    solo_engine.open("scores")
-    try:
-        logits = solo_engine.step([Segment("scores", 0, len(prompt))], np.array(prompt), np.arange(len(prompt))).logits
-    finally:
-        solo_engine.close("scores")
-    expected = log_softmax(logits[:-1])  # row i scores token i + 1
+    expected = next_token_log_probs(solo_engine, prompt)
     got = with_scores.prompt_scores
     assert len(got) == len(prompt) - 1
     np.testing.assert_allclose([t.logprob for t in got], expected[np.arange(len(got)), prompt[1:]], atol=1e-4)
