@@ -225,7 +225,7 @@ def test_a_seed_reproduces_sampled_tokens_and_matches_the_engine(live, solo):
     assert any(sample(seed) != first for seed in (1, 2, 3))
 
 
-def test_frequency_penalty_changes_greedy_output_away_from_repeats(live):
+def test_frequency_penalty_changes_greedy_output_away_from_repeats_as_the_engine_does(live, solo):
     prompt = [40, 41, 42]
     client = live.client()
 
@@ -235,6 +235,7 @@ def test_frequency_penalty_changes_greedy_output_away_from_repeats(live):
 
     plain, penalised = tokens(), tokens(frequency_penalty=2.0)
     assert penalised != plain
+    assert penalised == [live.codec.token_text(t) for t in solo(prompt, 24, frequency_penalty=2.0)]
     assert max(collections.Counter(penalised).values()) < max(collections.Counter(plain).values())
 
 

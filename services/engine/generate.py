@@ -10,7 +10,7 @@ import numpy as np
 
 from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine
-from cascadia.engine.sampling import SamplingParams, apply_logit_bias, choose
+from cascadia.engine.sampling import SamplingParams, apply_logit_bias, apply_penalties, choose
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,14 @@ def generate(
     if not prompt_ids:
         raise ValueError("the prompt is empty")
     rng = np.random.default_rng(params.seed)
+    counts = np.zeros(engine.shape.unpadded_vocab_size, dtype=np.float32)  # sampled so far, for the penalties
+
+    def pick(logits: np.ndarray) -> int:
+        """The next token as the fleet's last stage picks it: bias, then penalties, then sampling."""
+        token = choose(apply_penalties(apply_logit_bias(logits, params), counts, params), params, rng)
+        counts[token] += 1
+        return token
+
     engine.open(stream)
     try:
         started = time.perf_counter()
@@ -43,14 +51,14 @@ def generate(
             result = engine.step([Segment(stream, position, n)], prompt[position : position + n], np.array([n - 1]))
             logits = result.logits[0]
             position += n
-        token = choose(apply_logit_bias(logits, params), params, rng)
+        token = pick(logits)
         ttft = time.perf_counter() - started
         out = [token]
         decode_started = time.perf_counter()
         while len(out) < params.max_tokens and token not in params.stop_ids:
             result = engine.step([Segment(stream, position, 1)], np.array([token]))
             position += 1
-            token = choose(apply_logit_bias(result.logits[0], params), params, rng)
+            token = pick(result.logits[0])
             out.append(token)
         decode_time = time.perf_counter() - decode_started
         rate = (len(out) - 1) / decode_time if len(out) > 1 and decode_time > 0 else 0.0
