@@ -16,7 +16,8 @@ from cascadia.engine.sampling import SamplingParams, log_softmax
 from cascadia.engine.settings import EngineSettings
 from cascadia.model.checkpoint import load_stage
 from cascadia.model.config import load_shape
-from cascadia.router.local import LocalFleet
+from cascadia.router.limits import FleetLimits
+from cascadia.router.local import LocalFleet, free_port
 from cascadia.router.pipeline import PipelineDriver, RequestFailed
 from cascadia.router.scheduler import Request, SchedulerConfig
 from cascadia.shard.service import pb, rpc
@@ -250,8 +251,6 @@ def test_a_killed_shard_fails_its_requests_within_seconds_naming_the_stage(fleet
 
 
 def test_router_process_streams_tokens_cancels_and_reports_stats(fleet_of, solo, tmp_path):
-    from cascadia.router.local import free_port
-
     fleet = fleet_of(2)
     port = free_port()
     fleet.start_router(port, tmp_path / "router.log", "--max-queue", "50")
@@ -313,7 +312,7 @@ def test_a_stream_past_its_context_budget_fails_naming_the_stage_and_the_chain_k
         driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, SchedulerConfig(stages=2))
         await driver.start()
         await driver.wait_ready()
-        driver.limits = None  # the stage's own check, behind the router's
+        driver.limits = FleetLimits(0, 0, 0)  # nothing checked at the router: the stage's own check, behind it
         with pytest.raises(RequestFailed, match=r"stage \d: .*context budget of 1024"):
             await driver.generate(too_long)
         results = [await driver.generate(r) for r in after]
@@ -346,6 +345,13 @@ def test_requests_beyond_the_fleets_limits_are_refused_at_the_router_and_others_
                 with pytest.raises(ValueError) as refused:
                     await driver.submit(request)
                 refusals.append(str(refused.value))
+            early = PipelineDriver(fleet.stage_addrs, f"127.0.0.1:{free_port()}", SchedulerConfig(stages=2))
+            await early.start()
+            try:
+                with pytest.raises(ValueError, match="outside the vocabulary"):  # before it waited for the chain
+                    await early.submit(bad[1][0])
+            finally:
+                await early.stop()
             return driver.limits, refusals, await asyncio.gather(*running)
         finally:
             await driver.stop()
@@ -358,8 +364,6 @@ def test_requests_beyond_the_fleets_limits_are_refused_at_the_router_and_others_
 
 
 def test_requests_queued_while_a_shard_is_down_are_served_once_it_is_back(fleet_of, solo, tmp_path):
-    from cascadia.router.local import free_port
-
     fleet = fleet_of(3)
     port = free_port()
     fleet.start_router(port, tmp_path / "router.log")

@@ -143,6 +143,8 @@ class PipelineDriver:
 
     async def learn_limits(self) -> None:
         """What requests must fit from now on, as the stages report it (kept as it was if one does not answer)."""
+        if not self._channels:  # not started
+            return
         with contextlib.suppress(grpc.aio.AioRpcError):
             self.limits = fleet_limits(await self.stage_stats())
 
@@ -187,6 +189,8 @@ class PipelineDriver:
         """Queue a request (raises `Overloaded` when the queue is full); its events arrive on `.events`."""
         if request.id in self._pending:
             raise ValueError(f"request {request.id} is already running")
+        if self.limits is None:  # before the chain was first ready: ask the stages that answer already
+            await self.learn_limits()
         if self.limits is not None:
             check_request(request.prompt, request.params, self.limits)
         pending = _Pending(request)
