@@ -49,10 +49,6 @@ class Choices:
 
     async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
         """Each generation's deltas with its choice index, in the order they arrive."""
-        if len(self.generations) == 1:  # no tasks for the common case
-            async for delta in self.generations[0].deltas():
-                yield 0, delta
-            return
         queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
 
         async def pump(index: int, generation: Generation) -> None:

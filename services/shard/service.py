@@ -60,6 +60,13 @@ class _Sampler:
     def scoring(self, block) -> bool:
         return self.scores_prompt and not self.sampled and not block.draft
 
+    def logit_rows(self, block) -> int:
+        """How many of `block`'s last rows the last stage needs logits of: every row of a scored prompt, a
+        verified block's drafted positions and the row before them, a sampled row, or none."""
+        if self.scoring(block):
+            return block.length
+        return len(block.draft) + 1 if block.wants_token else 0
+
 
 def check_frame(
     frame,
@@ -312,11 +319,8 @@ class ShardServicer(rpc.ShardServicer):
             wanted, offset = [], 0
             for block in frame.rows:
                 offset += block.length
-                sampler = self.samplers.get(block.stream)
-                if sampler is not None and sampler.scoring(block):  # a prompt scored: every row
-                    wanted.extend(range(offset - block.length, offset))
-                elif block.wants_token:  # a verified block needs every drafted position's logits too
-                    wanted.extend(range(offset - 1 - len(block.draft), offset))
+                if engine.is_last:
+                    wanted.extend(range(offset - self.samplers[block.stream].logit_rows(block), offset))
             trace: list[np.ndarray] | None = [] if capture is not None and capture.settings.every_layer else None
             step = engine.step(segments, inputs, np.array(wanted, dtype=np.int64) if engine.is_last else None, trace)
             if engine.is_last:
@@ -389,31 +393,26 @@ class ShardServicer(rpc.ShardServicer):
 
     def _sample(self, frame, logits: np.ndarray):
         result = pb.FrameResult(frame_id=frame.frame_id)
-        k, first = 0, 0
+        k, offset = 0, 0  # the block's first logits row, and its first row in the frame
         for block in frame.rows:
-            first, block_first = first + block.length, first
             sampler = self.samplers[block.stream]
             params = sampler.params
+            width = sampler.logit_rows(block)
+            rows = logits[k : k + width]
+            k, offset, block_offset = k + width, offset + block.length, offset
             if sampler.scoring(block):
-                rows = logits[k : k + block.length]
-                k += block.length
-                ids = np.asarray(frame.token_ids[block_first : block_first + block.length])
+                ids = np.asarray(frame.token_ids[block_offset:offset])
                 result.scores.append(self._scores(block, rows, ids, sampler))
-                if not block.wants_token:
-                    continue
-                k -= 1  # the block's last row is sampled below
             if not block.wants_token:
                 continue
             sampler.sampled = True
             if block.draft:
-                rows = apply_logit_bias(logits[k : k + len(block.draft) + 1], params)
-                k += len(block.draft) + 1
+                rows = apply_logit_bias(rows, params)
                 tokens = accept_draft(rows, list(block.draft), params, sampler.rng)
                 for row, token in zip(rows, tokens, strict=False):
                     result.tokens.append(self._sampled(block.stream, row, token, params))
                 continue
-            row = apply_logit_bias(logits[k], params)
-            k += 1
+            row = apply_logit_bias(rows[-1], params)
             if params.penalised:
                 if sampler.counts is None:
                     sampler.counts = np.zeros(row.shape[-1], dtype=np.float32)
@@ -436,8 +435,7 @@ class ShardServicer(rpc.ShardServicer):
         sampler.carry = None if block.wants_token else logprobs[-1]
         out = pb.PromptScores(stream=block.stream, position=position)
         for logprob, best in scored_tokens(scored, targets, sampler.params.top_logprobs):
-            token = out.tokens.add(logprob=logprob)
-            token.top.extend(pb.TopLogprob(token=t, logprob=lp) for t, lp in best)
+            out.tokens.add(logprob=logprob, top=_top(best))
         return out
 
     @staticmethod
@@ -445,17 +443,19 @@ class ShardServicer(rpc.ShardServicer):
         sampled = pb.SampledToken(stream=stream, token=token)
         if not params.wants_logprobs:  # a softmax over the vocabulary costs ~0.25 ms a row
             return sampled
-        logprobs = log_softmax(row)
-        sampled.logprob = float(logprobs[token])
-        if params.top_logprobs:
-            best = np.argsort(-logprobs, kind="stable")[: params.top_logprobs]
-            sampled.top.extend(pb.TopLogprob(token=int(t), logprob=float(logprobs[t])) for t in best)
+        [(logprob, best)] = scored_tokens(log_softmax(row)[None], np.array([token]), params.top_logprobs)
+        sampled.logprob = logprob
+        sampled.top.extend(_top(best))
         return sampled
 
     def _pass_on(self, out) -> None:
         if self.engine.is_last and isinstance(out, pb.Frame):  # an earlier stage's error
             out = pb.FrameResult(frame_id=out.frame_id, error=out.error, failed_stage=out.failed_stage)
         self.sender.send(out)
+
+
+def _top(best: list[tuple[int, float]]) -> list:
+    return [pb.TopLogprob(token=t, logprob=lp) for t, lp in best]
 
 
 def _log_lost(frame_id: int, reason: str) -> None:
