@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -410,7 +411,23 @@ def shard(
         engine.shape.hidden_size,
         {"precision": precision, "device": device, "kv_precision": kv_precision},
     )
-    run_until_signal(serve(engine, stage, listen, next_addr, reply_to, drafter, info))
+    vocabulary = _grammar_vocabulary(model_dir, engine.shape.unpadded_vocab_size) if reply_to else None
+    run_until_signal(serve(engine, stage, listen, next_addr, reply_to, drafter, info, vocabulary))
+
+
+def _grammar_vocabulary(model_dir: Path, sampled_vocab: int):
+    """The last stage's tokens for grammars; a model whose tokenizer cannot be read is served without them."""
+    from cascadia.engine.grammar import GrammarVocabulary
+
+    log = logging.getLogger("cascadia.shard")
+    try:
+        vocabulary = GrammarVocabulary.from_model(model_dir, sampled_vocab)
+    except Exception as exc:  # the tokenizer is only needed for grammars: serve the model regardless
+        log.warning("%s: requests with a grammar are refused (its tokenizer: %s)", model_dir, exc)
+        return None
+    if vocabulary is None:
+        log.warning("%s has no tokenizer: requests with a grammar are refused", model_dir)
+    return vocabulary
 
 
 def _mtp_drafter(model_dir: Path, settings, depths: int, vocab: int):

@@ -20,21 +20,24 @@ def sampling_message(params: SamplingParams):
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
         logit_bias=dict(params.logit_bias),
+        grammar=params.grammar,
+        stop_ids=sorted(params.stop_ids),
     )
 
 
-def sampling_params(message, max_tokens: int = 16, stop_ids: frozenset[int] = frozenset()) -> SamplingParams:
-    """Raises ValueError naming the parameter that is out of range."""
+def sampling_params(message, max_tokens: int = 16, stop_ids: frozenset[int] | None = None) -> SamplingParams:
+    """Raises ValueError naming the parameter that is out of range. `stop_ids` default to the message's."""
     return SamplingParams(
         temperature=message.temperature,
         top_k=message.top_k,
         top_p=message.top_p or 1.0,
         seed=message.seed if message.has_seed else None,
         max_tokens=max_tokens,
-        stop_ids=stop_ids,
+        stop_ids=frozenset(message.stop_ids) if stop_ids is None else stop_ids,
         presence_penalty=message.presence_penalty,
         frequency_penalty=message.frequency_penalty,
         top_logprobs=message.top_logprobs,
         logprobs=message.logprobs,
         logit_bias=tuple(sorted(message.logit_bias.items())),
+        grammar=message.grammar,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace as Stats
 
 import numpy as np
@@ -10,11 +11,12 @@ import pytest
 from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.generate import generate
+from cascadia.engine.grammar import GrammarError, json_grammar, regex_grammar
 from cascadia.engine.sampling import SamplingParams
 from cascadia.engine.settings import EngineSettings
 from cascadia.model.checkpoint import load_stage
 from cascadia.model.config import load_shape
-from cascadia.router.limits import FleetLimits, check_request, fleet_limits
+from cascadia.router.limits import UNREPORTED, FleetLimits, check_request, fleet_limits
 from cascadia.router.scheduler import Overloaded, Request, Scheduler, SchedulerConfig
 
 
@@ -209,9 +211,12 @@ def test_a_speculating_schedule_drafts_as_long_as_a_lone_streams_block_has_room_
 
 
 def test_fleet_limits_come_from_the_first_last_and_tightest_stages_and_refuse_what_does_not_fit():
-    stages = [Stats(vocab_size=512, sampled_vocab=500, context=0), Stats(vocab_size=512, sampled_vocab=500, context=64)]
+    stages = [
+        Stats(vocab_size=512, sampled_vocab=500, context=0, grammars=False),
+        Stats(vocab_size=512, sampled_vocab=500, context=64, grammars=True),
+    ]
     limits = fleet_limits(stages)
-    assert limits == FleetLimits(vocab=512, sampled_vocab=500, context=64)
+    assert limits == FleetLimits(vocab=512, sampled_vocab=500, context=64, grammars=True)
     check_request((1, 511), SamplingParams(max_tokens=62, logit_bias=((499, 5.0),)), limits)
     with pytest.raises(ValueError, match="token id 512 is outside the vocabulary"):
         check_request((1, 512), SamplingParams(), limits)
@@ -220,3 +225,17 @@ def test_fleet_limits_come_from_the_first_last_and_tightest_stages_and_refuse_wh
     with pytest.raises(ValueError, match="2 prompt tokens and max_tokens 63 exceed the fleet's context of 64"):
         check_request((1, 2), SamplingParams(max_tokens=63), limits)
     check_request((10**6,) * 100, SamplingParams(max_tokens=10**6), FleetLimits(0, 0, 0))  # nothing reported
+
+
+def test_a_grammar_is_refused_when_it_does_not_parse_or_the_last_stage_cannot_match_it():
+    limits = FleetLimits(vocab=512, sampled_vocab=500, context=64)
+    good = SamplingParams(grammar=json_grammar({"type": "object"}), stop_ids=frozenset({2}))
+    check_request((1,), good, limits)
+    check_request((1,), good, UNREPORTED)
+    with pytest.raises(ValueError, match="no tokenizer to hold the text to a grammar"):
+        check_request((1,), good, replace(limits, grammars=False))
+    for unparsable in (regex_grammar("(unclosed"), json_grammar({"type": "frob"}), "start: missing_rule"):
+        with pytest.raises(GrammarError):  # checked even before any stage has reported its limits
+            check_request((1,), replace(good, grammar=unparsable), UNREPORTED)
+    with pytest.raises(ValueError, match="a grammar needs stop_ids"):
+        SamplingParams(grammar=good.grammar)

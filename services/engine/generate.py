@@ -10,6 +10,7 @@ import numpy as np
 
 from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine
+from cascadia.engine.grammar import GrammarVocabulary
 from cascadia.engine.sampling import SamplingParams, apply_logit_bias, apply_penalties, choose
 
 
@@ -26,17 +27,29 @@ def generate(
     params: SamplingParams,
     prefill_window: int = 64,
     stream: str = "generate",
+    vocabulary: GrammarVocabulary | None = None,
 ) -> Generation:
+    """`vocabulary`: the model's tokens, needed when `params` carry a grammar."""
     if not engine.is_first or not engine.is_last:
         raise ValueError("single-process generation needs an engine holding every layer")
     if not prompt_ids:
         raise ValueError("the prompt is empty")
+    constraint = None
+    if params.grammar:
+        if vocabulary is None:
+            raise ValueError("a grammar needs the model's vocabulary")
+        constraint = vocabulary.constraint(params.grammar, params.stop_ids)
     rng = np.random.default_rng(params.seed)
     counts = np.zeros(engine.shape.unpadded_vocab_size, dtype=np.float32)  # sampled so far, for the penalties
 
     def pick(logits: np.ndarray) -> int:
-        """The next token as the fleet's last stage picks it: bias, then penalties, then sampling."""
-        token = choose(apply_penalties(apply_logit_bias(logits, params), counts, params), params, rng)
+        """The next token as the fleet's last stage picks it: bias, penalties, the grammar, then sampling."""
+        row = apply_penalties(apply_logit_bias(logits, params), counts, params)
+        if constraint is not None:
+            row = constraint.mask(row)
+        token = choose(row, params, rng)
+        if constraint is not None:
+            constraint.advance(token)
         counts[token] += 1
         return token
 

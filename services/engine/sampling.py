@@ -23,6 +23,7 @@ class SamplingParams:
     top_logprobs: int = 0
     logprobs: bool = False  # the sampled token's log-prob is wanted (a full softmax per token)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias) added to its logit before anything else
+    grammar: str = ""  # llguidance grammar the generated text must match (`cascadia.engine.grammar`)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -38,6 +39,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if self.grammar and not self.stop_ids:
+            raise ValueError("a grammar needs stop_ids: the tokens that end its text")
         tokens = [token for token, _ in self.logit_bias]
         if len(set(tokens)) != len(tokens) or any(token < 0 for token in tokens):
             raise ValueError(f"logit_bias needs distinct token ids >= 0, got {sorted(tokens)}")

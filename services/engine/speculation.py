@@ -10,44 +10,64 @@ sampling from p (speculative sampling with a deterministic proposer).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from cascadia.engine.grammar import TokenConstraint
 from cascadia.engine.sampling import SamplingParams, filtered_probabilities
 
 
 def accept_draft(
-    logits: np.ndarray, draft: Sequence[int], params: SamplingParams, rng: np.random.Generator
+    logits: np.ndarray,
+    draft: Sequence[int],
+    params: SamplingParams,
+    rng: np.random.Generator,
+    constraint: TokenConstraint | None = None,
 ) -> list[int]:
     """The tokens to emit for a verified block: the accepted drafts, then one token of the model's own.
 
     `logits` holds len(draft) + 1 rows: row i is the distribution after the block's first i drafts.
     """
+    return [token for _, token in verified_tokens(logits, draft, params, rng, constraint)]
+
+
+def verified_tokens(
+    logits: np.ndarray,
+    draft: Sequence[int],
+    params: SamplingParams,
+    rng: np.random.Generator,
+    constraint: TokenConstraint | None = None,
+) -> Iterator[tuple[np.ndarray, int]]:
+    """Each emitted token with the row it was chosen from. Under a grammar each row is masked at the
+    grammar's place after the tokens before it, so a draft that leaves the grammar has no chance."""
     if logits.shape[0] != len(draft) + 1:
         raise ValueError(f"{len(draft)} drafted tokens need {len(draft) + 1} rows of logits, got {logits.shape[0]}")
-    out: list[int] = []
     for i, row in enumerate(logits):
-        if params.temperature == 0.0:
-            token = int(np.argmax(row))
-            out.append(token)
-            if i == len(draft) or token != draft[i]:
-                return out
-            continue
-        probs = filtered_probabilities(row, params)
-        if i == len(draft):
-            out.append(int(rng.choice(probs.shape[-1], p=probs)))
-            return out
-        proposed = int(draft[i])
-        if rng.random() < probs[proposed]:
-            out.append(proposed)
-            continue
-        residual = probs.copy()
-        residual[proposed] = 0.0
-        total = residual.sum()
-        if total <= 0.0:  # p was a point mass on the draft, which rng.random() < 1 always accepts
-            out.append(proposed)
-            continue
-        out.append(int(rng.choice(residual.shape[-1], p=residual / total)))
-        return out
-    return out
+        if constraint is not None:
+            row = constraint.mask(row)
+        token, last = _verify_row(row, draft[i] if i < len(draft) else None, params, rng)
+        if constraint is not None:
+            constraint.advance(token)
+        yield row, token
+        if last:
+            return
+
+
+def _verify_row(row: np.ndarray, proposed: int | None, params: SamplingParams, rng: np.random.Generator):
+    """The token at one row and whether the block ends with it (no draft left, or the draft was refused)."""
+    if params.temperature == 0.0:
+        token = int(np.argmax(row))
+        return token, proposed is None or token != proposed
+    probs = filtered_probabilities(row, params)
+    if proposed is None:
+        return int(rng.choice(probs.shape[-1], p=probs)), True
+    proposed = int(proposed)
+    if rng.random() < probs[proposed]:
+        return proposed, False
+    residual = probs.copy()
+    residual[proposed] = 0.0
+    total = residual.sum()
+    if total <= 0.0:  # p was a point mass on the draft, which rng.random() < 1 always accepts
+        return proposed, False
+    return int(rng.choice(residual.shape[-1], p=residual / total)), True

@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from cascadia.engine.grammar import GrammarError, GrammarVocabulary, check_grammar, json_grammar
 from cascadia.engine.sampling import SamplingParams
 from cascadia.gateway.auth import ConcurrencyLimiter, KeyRing
 from cascadia.gateway.choices import Choices, choice_params
@@ -158,6 +159,7 @@ class Gateway:
     keys: KeyRing
     metrics: GatewayMetrics
     limiter: ConcurrencyLimiter
+    vocabulary: GrammarVocabulary | None = None  # the model's tokens, to check a response_format's grammar against
 
     def check_model(self, name: str) -> None:
         if name != self.config.model_name:
@@ -206,6 +208,25 @@ class Gateway:
             biases[token] = bias
         return tuple(sorted(biases.items()))
 
+    def grammar(self, body: SamplingFields) -> str:
+        """The grammar a response_format holds the text to ("" for plain text), checked here (400)."""
+        shape = body.response_format
+        if shape is None or shape.type == "text":
+            return ""
+        if self.vocabulary is None or not self.codec.stop_token_ids:
+            raise bad_request(
+                "This model's tokenizer cannot be matched against a response_format"
+                + ("." if self.vocabulary is None else ": it has no end-of-text token."),
+                "response_format",
+            )
+        try:
+            grammar = json_grammar(shape.json_schema.json_schema if shape.type == "json_schema" else None)
+            check_grammar(grammar, self.vocabulary)
+        except GrammarError as exc:
+            where = "response_format.json_schema.schema" if shape.type == "json_schema" else "response_format"
+            raise bad_request(f"Invalid schema in '{where}': {exc}", where) from None
+        return grammar
+
     def sampling(self, body: SamplingFields, max_tokens: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
         return SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
@@ -219,6 +240,7 @@ class Gateway:
             top_logprobs=top_logprobs,
             logprobs=logprobs,
             logit_bias=self.logit_bias(body),
+            grammar=self.grammar(body),
         )
 
     def choices(
@@ -420,11 +442,19 @@ def _describe_limits(schema: dict[str, Any], config: GatewayConfig) -> None:
     bound_token_ids(components["CompletionRequest"]["properties"]["prompt"])
 
 
+def _vocabulary(codec: TextCodec, config: GatewayConfig) -> GrammarVocabulary | None:
+    try:
+        return GrammarVocabulary(codec.tokenizer.to_str(), config.vocab_size)
+    except Exception:  # only response_format needs it: the rest is served regardless
+        log.warning("the tokenizer cannot be matched against grammars: response_format is refused", exc_info=True)
+        return None
+
+
 def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, keys: KeyRing) -> FastAPI:
     metrics = GatewayMetrics()
     # an open gateway has no callers to tell apart: the router's queue bounds it instead
     per_key = 0 if keys.open else config.max_concurrent_per_key
-    gateway = Gateway(config, router, codec, keys, metrics, ConcurrencyLimiter(per_key))
+    gateway = Gateway(config, router, codec, keys, metrics, ConcurrencyLimiter(per_key), _vocabulary(codec, config))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -23,6 +23,29 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema", description="Default: any JSON object.")
+    strict: bool | None = Field(None, description="Always held to: the text matches the schema.")
+
+
+class TextFormat(Strict):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(Strict):
+    type: Literal["json_object"]
+
+
+class JsonSchemaResponseFormat(Strict):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaResponseFormat, Field(discriminator="type")]
+
+
 Stop = Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)]
 
 
@@ -54,6 +77,11 @@ class SamplingFields(Strict):
     user: str | None = None
     speculation: bool | None = Field(
         None, description="Extension: false decodes this request without drafted tokens; default: the router's."
+    )
+    response_format: ResponseFormat | None = Field(
+        None,
+        description="json_object: the text is one JSON object; json_schema: one JSON value matching the schema. "
+        "Each token is sampled among those that keep the text inside it (on /v1/completions too).",
     )
 
     @property

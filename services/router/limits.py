@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from cascadia.engine.grammar import check_grammar
 from cascadia.engine.sampling import SamplingParams
 
 
@@ -16,12 +17,18 @@ class FleetLimits:
     vocab: int  # token ids the first stage embeds
     sampled_vocab: int  # tokens the last stage scores
     context: int  # positions of a stream every stage holds
+    grammars: bool = True  # the last stage can hold a stream to a grammar
+
+
+UNREPORTED = FleetLimits(0, 0, 0)  # no stage answered yet: only what needs no stage is checked
 
 
 def fleet_limits(stage_stats: Sequence) -> FleetLimits:
     """From every stage's `ShardStats`, first stage first."""
     contexts = [s.context for s in stage_stats if s.context]
-    return FleetLimits(stage_stats[0].vocab_size, stage_stats[-1].sampled_vocab, min(contexts, default=0))
+    return FleetLimits(
+        stage_stats[0].vocab_size, stage_stats[-1].sampled_vocab, min(contexts, default=0), stage_stats[-1].grammars
+    )
 
 
 def check_request(prompt: Sequence[int], params: SamplingParams, limits: FleetLimits) -> None:
@@ -34,6 +41,10 @@ def check_request(prompt: Sequence[int], params: SamplingParams, limits: FleetLi
         beyond = [t for t, _ in params.logit_bias if t >= limits.sampled_vocab]
         if beyond:
             raise ValueError(f"logit_bias names token {beyond[0]}; the model scores [0, {limits.sampled_vocab})")
+    if params.grammar:
+        if not limits.grammars:
+            raise ValueError("the fleet's last stage has no tokenizer to hold the text to a grammar")
+        check_grammar(params.grammar)  # what needs no tokenizer; the last stage checks the rest
     if limits.context and len(prompt) + params.max_tokens > limits.context:
         raise ValueError(
             f"{len(prompt)} prompt tokens and max_tokens {params.max_tokens} exceed the fleet's context of "

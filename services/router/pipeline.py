@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cascadia import tls
 from cascadia.draft.client import Proposer
 from cascadia.frame_stream import FrameStream
-from cascadia.router.limits import FleetLimits, check_request, fleet_limits
+from cascadia.router.limits import UNREPORTED, FleetLimits, check_request, fleet_limits
 from cascadia.router.scheduler import (
     DraftWanted,
     Emitted,
@@ -191,8 +191,7 @@ class PipelineDriver:
             raise ValueError(f"request {request.id} is already running")
         if self.limits is None:  # before the chain was first ready: ask the stages that answer already
             await self.learn_limits()
-        if self.limits is not None:
-            check_request(request.prompt, request.params, self.limits)
+        check_request(request.prompt, request.params, self.limits or UNREPORTED)
         pending = _Pending(request)
         self.scheduler.submit(request)
         self._pending[request.id] = pending

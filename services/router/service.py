@@ -25,7 +25,7 @@ class RouterServicer(rpc.RouterServicer):
 
     async def Generate(self, request, context):
         try:
-            params = sampling_params(request.sampling, request.max_tokens or 16, frozenset(request.stop_ids))
+            params = sampling_params(request.sampling, request.max_tokens or 16, frozenset(request.stop_ids) or None)
             rid = request.request_id or f"req-{next(self._ids)}"
             pending = await self.driver.submit(
                 Request(

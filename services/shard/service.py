@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from cascadia import tls
 from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine
+from cascadia.engine.grammar import GrammarError, GrammarVocabulary, TokenConstraint
 from cascadia.engine.mtp import MtpDrafter
 from cascadia.engine.sampling import (
     SamplingParams,
@@ -32,7 +33,7 @@ from cascadia.engine.sampling import (
     log_softmax,
     scored_tokens,
 )
-from cascadia.engine.speculation import accept_draft
+from cascadia.engine.speculation import verified_tokens
 from cascadia.frame_stream import FrameStream
 from cascadia.protos import load
 from cascadia.shard.capture import CaptureError, CaptureRecorder, CaptureSettings, RecordedBlock, StageInfo
@@ -56,6 +57,7 @@ class _Sampler:
     scores_prompt: bool = False  # until its first token, every prompt token is scored
     sampled: bool = False
     carry: np.ndarray | None = None  # the log-probs after the last block's last row, for the next block's first token
+    constraint: TokenConstraint | None = None  # the stream's grammar, at its place after the tokens sampled so far
 
     def scoring(self, block) -> bool:
         return self.scores_prompt and not self.sampled and not block.draft
@@ -152,9 +154,17 @@ def check_frame(
 
 
 class ShardServicer(rpc.ShardServicer):
-    def __init__(self, engine: StageEngine, stage: int, drafter: MtpDrafter | None = None) -> None:
+    def __init__(
+        self,
+        engine: StageEngine,
+        stage: int,
+        drafter: MtpDrafter | None = None,
+        vocabulary: GrammarVocabulary | None = None,
+    ) -> None:
         self.engine = engine
         self.drafter = drafter  # the MTP head, on the last stage when it serves one
+        self.vocabulary = vocabulary  # the model's tokens for grammars, on the last stage when it has a tokenizer
+        self.constraints: dict[str, TokenConstraint] = {}  # admitted streams' grammars, taken when they open
         self.mtp_streams: set[str] = set()
         self.capture: CaptureRecorder | None = None
         self.capture_info: StageInfo | None = None  # set by serve(): what capture files say of this stage
@@ -186,6 +196,7 @@ class ShardServicer(rpc.ShardServicer):
         if frame.error:
             return ""
         try:
+            constraints = self._grammars(frame)
             self.expected = check_frame(
                 frame,
                 self.expected,
@@ -198,9 +209,27 @@ class ShardServicer(rpc.ShardServicer):
             )
         except FrameRejected as exc:
             return str(exc)
+        self.constraints.update(constraints)
         self.mtp_streams.update(o.stream for o in frame.opens if o.mtp)
         self.mtp_streams.difference_update(frame.closes)
         return ""
+
+    def _grammars(self, frame) -> dict[str, TokenConstraint]:
+        """The last stage's matcher for each stream the frame opens with a grammar (built here, where a bad
+        grammar refuses the frame before it changes anything)."""
+        if not self.engine.is_last:
+            return {}
+        out = {}
+        for opened in frame.opens:
+            if not opened.sampling.grammar:
+                continue
+            if self.vocabulary is None:
+                raise FrameRejected(f"stream '{opened.stream}': a grammar, but this stage has no tokenizer to match it")
+            try:
+                out[opened.stream] = self.vocabulary.constraint(opened.sampling.grammar, opened.sampling.stop_ids)
+            except GrammarError as exc:
+                raise FrameRejected(f"stream '{opened.stream}': grammar: {exc}") from None
+        return out
 
     async def Capture(self, request, context):
         with self._capture_lock:
@@ -259,6 +288,7 @@ class ShardServicer(rpc.ShardServicer):
             vocab_size=self.engine.shape.vocab_size,
             sampled_vocab=self.engine.shape.unpadded_vocab_size,
             context=self.engine.context_limit,
+            grammars=self.vocabulary is not None,
         )
 
     async def run(self) -> None:
@@ -282,6 +312,7 @@ class ShardServicer(rpc.ShardServicer):
         for name in [*(o.stream for o in frame.opens), *(b.stream for b in frame.rows)]:
             self.expected.pop(name, None)
             self.samplers.pop(name, None)
+            self.constraints.pop(name, None)
             self.mtp_streams.discard(name)
             if name in self.engine.streams:
                 self.engine.close(name)
@@ -305,7 +336,10 @@ class ShardServicer(rpc.ShardServicer):
             if engine.is_last:
                 params = sampling_params(opened.sampling)
                 self.samplers[opened.stream] = _Sampler(
-                    params, np.random.default_rng(params.seed), scores_prompt=opened.score_prompt
+                    params,
+                    np.random.default_rng(params.seed),
+                    scores_prompt=opened.score_prompt,
+                    constraint=self.constraints.pop(opened.stream, None),
                 )
         segments = [Segment(b.stream, b.start, b.length) for b in frame.rows]
         out = pb.Frame(frame_id=frame.frame_id)
@@ -408,8 +442,7 @@ class ShardServicer(rpc.ShardServicer):
             sampler.sampled = True
             if block.draft:
                 rows = apply_logit_bias(rows, params)
-                tokens = accept_draft(rows, list(block.draft), params, sampler.rng)
-                for row, token in zip(rows, tokens, strict=False):
+                for row, token in verified_tokens(rows, list(block.draft), params, sampler.rng, sampler.constraint):
                     result.tokens.append(self._sampled(block.stream, row, token, params))
                 continue
             row = apply_logit_bias(rows[-1], params)
@@ -417,7 +450,11 @@ class ShardServicer(rpc.ShardServicer):
                 if sampler.counts is None:
                     sampler.counts = np.zeros(row.shape[-1], dtype=np.float32)
                 row = apply_penalties(row, sampler.counts, params)
+            if sampler.constraint is not None:
+                row = sampler.constraint.mask(row)
             token = choose(row, params, sampler.rng)
+            if sampler.constraint is not None:
+                sampler.constraint.advance(token)
             if sampler.counts is not None:
                 sampler.counts[token] += 1
             result.tokens.append(self._sampled(block.stream, row, token, params))
@@ -471,8 +508,9 @@ async def serve(
     reply_to: str | None,
     drafter: MtpDrafter | None = None,
     capture_info: StageInfo | None = None,
+    vocabulary: GrammarVocabulary | None = None,
 ) -> None:
-    servicer = ShardServicer(engine, stage, drafter)
+    servicer = ShardServicer(engine, stage, drafter, vocabulary)
     servicer.capture_info = capture_info or StageInfo(
         stage, engine.start_layer, engine.end_layer, "", engine.shape.hidden_size, {}
     )
