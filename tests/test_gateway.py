@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import json
 import os
 import re
 import subprocess
@@ -23,6 +24,7 @@ import pytest
 from cascadia.bench.load import wait_until_ready
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.generate import generate
+from cascadia.engine.grammar import GrammarVocabulary, json_grammar
 from cascadia.engine.sampling import SamplingParams
 from cascadia.engine.settings import EngineSettings
 from cascadia.gateway.text import TextCodec
@@ -31,6 +33,7 @@ from cascadia.model.config import load_shape
 from cascadia.router.local import free_port
 from cascadia.shard.service import pb, rpc
 from tests.helpers import next_token_log_probs, print_logs
+from tests.test_grammar import SCHEMA, conforms
 
 pytestmark = pytest.mark.slow
 
@@ -118,10 +121,11 @@ def solo(tiny, solo_engine):
     """Token ids the single-process engine generates: what the fleet must reproduce."""
     engine = solo_engine
     stops = TextCodec.from_directory(tiny).stop_token_ids
+    vocabulary = GrammarVocabulary.from_model(tiny, engine.shape.unpadded_vocab_size)
 
     def run(prompt: list[int], max_tokens: int, **sampling) -> list[int]:
         params = SamplingParams(max_tokens=max_tokens, stop_ids=stops, **sampling)
-        return generate(engine, prompt, params, stream="solo").token_ids
+        return generate(engine, prompt, params, stream="solo", vocabulary=vocabulary).token_ids
 
     return run
 
@@ -281,6 +285,40 @@ def test_echo_returns_the_prompt_and_each_prompt_tokens_log_prob_as_the_engine_g
     assert plain.choices[0].text == choice.text and plain.choices[0].logprobs is None
 
 
+def test_a_json_schema_response_format_gives_conforming_json_exactly_as_the_engine_does(live, solo):
+    client = live.client()
+    shape = {"type": "json_schema", "json_schema": {"name": "inventory", "schema": SCHEMA, "strict": True}}
+    for i in range(3):
+        messages = [{"role": "user", "content": f"Describe inventory number {i} as JSON."}]
+        out = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=120, temperature=0, response_format=shape
+        )
+        content = out.choices[0].message.content
+        assert conforms(json.loads(content)), content
+        assert out.choices[0].finish_reason == "stop"
+        ids = solo(live.codec.encode_chat(messages), 120, grammar=json_grammar(SCHEMA))
+        assert content == expected_text(live.codec, ids)
+        assert out.usage.completion_tokens == len(ids)
+
+
+def test_a_json_object_response_format_streams_the_same_object_as_the_whole_response(live):
+    client = live.client()
+    body = {"response_format": {"type": "json_object"}}
+    whole = client.completions.create(
+        model=MODEL, prompt=[7, 8, 9], max_tokens=200, temperature=0.8, seed=5, extra_body=body
+    )
+    streamed = client.completions.create(
+        model=MODEL, prompt=[7, 8, 9], max_tokens=200, temperature=0.8, seed=5, extra_body=body, stream=True
+    )
+    pieces = list(streamed)
+    text = "".join(p.choices[0].text for p in pieces)
+    assert text == whole.choices[0].text
+    assert whole.choices[0].finish_reason == pieces[-1].choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(text), dict)
+    plain = client.completions.create(model=MODEL, prompt=[7, 8, 9], max_tokens=200, temperature=0.8, seed=5)
+    assert plain.choices[0].text != text
+
+
 def test_chat_top_logprobs_are_sorted_and_include_alternatives(live):
     out = live.client().chat.completions.create(
         model=MODEL,
@@ -404,6 +442,25 @@ def test_streamed_choices_carry_their_index_and_match_the_whole_response(live):
         ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
         ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 1, "05": 2}}, 400, "logit_bias"),
         ({"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "best_of"),
+        ({"model": MODEL, "prompt": "hi", "response_format": {"type": "xml"}}, 400, "response_format"),
+        (
+            {
+                "model": MODEL,
+                "prompt": "hi",
+                "response_format": {"type": "json_schema", "json_schema": {"name": "a b"}},
+            },
+            400,
+            "response_format",
+        ),
+        (
+            {
+                "model": MODEL,
+                "prompt": "hi",
+                "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "frob"}}},
+            },
+            400,
+            "response_format",
+        ),
         ({"model": MODEL, "prompt": [1, 2, 600]}, 400, "prompt"),
         ({"model": MODEL, "prompt": [4.5]}, 400, "prompt.list[int].0"),
         ({"model": MODEL, "prompt": ""}, 400, None),
