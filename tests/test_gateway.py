@@ -24,7 +24,7 @@ import pytest
 from cascadia.bench.load import wait_until_ready
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.generate import generate
-from cascadia.engine.grammar import GrammarVocabulary, json_grammar
+from cascadia.engine.grammar import GrammarVocabulary, choice_grammar, json_grammar, regex_grammar
 from cascadia.engine.sampling import SamplingParams
 from cascadia.engine.settings import EngineSettings
 from cascadia.gateway.text import TextCodec
@@ -319,6 +319,30 @@ def test_a_json_object_response_format_streams_the_same_object_as_the_whole_resp
     assert plain.choices[0].text != text
 
 
+def test_structured_outputs_hold_text_to_a_choice_a_regex_or_a_grammar_as_the_engine_does(live, solo):
+    client = live.client()
+    cases = [
+        ({"choice": ["yes", "no", "maybe later"]}, choice_grammar(["yes", "no", "maybe later"]), r"yes|no|maybe later"),
+        ({"regex": r"[A-Z]{2}-[0-9]{3}"}, regex_grammar(r"[A-Z]{2}-[0-9]{3}"), r"[A-Z]{2}-[0-9]{3}"),
+        ({"grammar": 'start: "id:" NUM\nNUM: /[1-9][0-9]?/'}, None, r"id:[1-9][0-9]?"),
+        ({"grammar": 'root ::= "id:" [1-9] [0-9]?'}, None, r"id:[1-9][0-9]?"),  # GBNF
+    ]
+    for structured, grammar, pattern in cases:
+        for prompt in ([5, 6, 7], [300, 12]):
+            out = client.completions.create(
+                model=MODEL,
+                prompt=prompt,
+                max_tokens=32,
+                temperature=0,
+                extra_body={"structured_outputs": structured},
+            )
+            text = out.choices[0].text
+            assert re.fullmatch(pattern, text), (structured, text)
+            assert out.choices[0].finish_reason == "stop"
+            if grammar is not None:
+                assert text == expected_text(live.codec, solo(prompt, 32, grammar=grammar))
+
+
 def test_chat_top_logprobs_are_sorted_and_include_alternatives(live):
     out = live.client().chat.completions.create(
         model=MODEL,
@@ -443,6 +467,20 @@ def test_streamed_choices_carry_their_index_and_match_the_whole_response(live):
         ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 1, "05": 2}}, 400, "logit_bias"),
         ({"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "best_of"),
         ({"model": MODEL, "prompt": "hi", "response_format": {"type": "xml"}}, 400, "response_format"),
+        ({"model": MODEL, "prompt": "hi", "structured_outputs": {"regex": "(a"}}, 400, "structured_outputs"),
+        ({"model": MODEL, "prompt": "hi", "structured_outputs": {"grammar": "start: x"}}, 400, "structured_outputs"),
+        ({"model": MODEL, "prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["a"]}}, 400, "structured"),
+        ({"model": MODEL, "prompt": "hi", "structured_outputs": {}}, 400, "structured_outputs"),
+        (
+            {
+                "model": MODEL,
+                "prompt": "hi",
+                "structured_outputs": {"choice": ["a"]},
+                "response_format": {"type": "json_object"},
+            },
+            400,
+            "structured_outputs",
+        ),
         (
             {
                 "model": MODEL,

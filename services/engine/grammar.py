@@ -42,6 +42,14 @@ def choice_grammar(choices: Iterable[str]) -> str:
     return llguidance.grammar_from("choice", json.dumps(list(choices)))
 
 
+def cfg_grammar(text: str) -> str:
+    """A context-free grammar in Lark's syntax or in GBNF (llama.cpp's)."""
+    try:
+        return llguidance.grammar_from("grammar", text)
+    except ValueError as exc:
+        raise GrammarError(str(exc)) from None
+
+
 def check_grammar(grammar: str, vocabulary: GrammarVocabulary | None = None) -> None:
     """Raises GrammarError with the grammar's first error; against a vocabulary, also what its tokens
     cannot spell."""

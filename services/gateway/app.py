@@ -22,7 +22,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cascadia.engine.grammar import GrammarError, GrammarVocabulary, check_grammar, json_grammar
+from cascadia.engine.grammar import (
+    GrammarError,
+    GrammarVocabulary,
+    cfg_grammar,
+    check_grammar,
+    choice_grammar,
+    json_grammar,
+    regex_grammar,
+)
 from cascadia.engine.sampling import SamplingParams
 from cascadia.gateway.auth import ConcurrencyLimiter, KeyRing
 from cascadia.gateway.choices import Choices, choice_params
@@ -209,22 +217,34 @@ class Gateway:
         return tuple(sorted(biases.items()))
 
     def grammar(self, body: SamplingFields) -> str:
-        """The grammar a response_format holds the text to ("" for plain text), checked here (400)."""
-        shape = body.response_format
-        if shape is None or shape.type == "text":
+        """The grammar a response_format or structured_outputs holds the text to ("" for none), checked (400)."""
+        shape, structured = body.response_format, body.structured_outputs
+        shaped = shape is not None and shape.type != "text"
+        if not shaped and structured is None:
             return ""
+        param = "structured_outputs" if structured is not None else "response_format"
+        if shaped and structured is not None:
+            raise bad_request("Give response_format or structured_outputs, not both.", param)
         if self.vocabulary is None or not self.codec.stop_token_ids:
             raise bad_request(
-                "This model's tokenizer cannot be matched against a response_format"
+                f"This model's tokenizer cannot be matched against a {param}"
                 + ("." if self.vocabulary is None else ": it has no end-of-text token."),
-                "response_format",
+                param,
             )
         try:
-            grammar = json_grammar(shape.json_schema.json_schema if shape.type == "json_schema" else None)
+            if structured is None:
+                grammar = json_grammar(shape.json_schema.json_schema if shape.type == "json_schema" else None)
+            elif structured.json_schema is not None:
+                grammar = json_grammar(structured.json_schema)
+            elif structured.regex is not None:
+                grammar = regex_grammar(structured.regex)
+            elif structured.choice is not None:
+                grammar = choice_grammar(structured.choice)
+            else:
+                grammar = cfg_grammar(structured.grammar)
             check_grammar(grammar, self.vocabulary)
         except GrammarError as exc:
-            where = "response_format.json_schema.schema" if shape.type == "json_schema" else "response_format"
-            raise bad_request(f"Invalid schema in '{where}': {exc}", where) from None
+            raise bad_request(f"Invalid '{param}': {exc}", param) from None
         return grammar
 
     def sampling(self, body: SamplingFields, max_tokens: int, logprobs: bool, top_logprobs: int) -> SamplingParams:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_STOP_STRINGS = 4
 MAX_SEED = 2**63 - 1
 # generations one request may start: its prompts times n (each is a stream on every stage)
 MAX_CHOICES = 16
 MAX_LOGIT_BIAS_TOKENS = 300  # OpenAI's own bound
+MAX_CHOICE_TEXTS = 1024  # strings a structured_outputs.choice may list
 
 
 class Strict(BaseModel):
@@ -41,6 +42,25 @@ class JsonObjectFormat(Strict):
 class JsonSchemaResponseFormat(Strict):
     type: Literal["json_schema"]
     json_schema: JsonSchemaFormat
+
+
+ChoiceTexts = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICE_TEXTS)]
+
+
+class StructuredOutputs(Strict):
+    """Exactly one of its fields: the form the text must take."""
+
+    json_schema: dict[str, Any] | None = Field(None, alias="json", description="A JSON schema.")
+    regex: str | None = Field(None, min_length=1, description="A regular expression the whole text matches.")
+    choice: ChoiceTexts | None = Field(None, description="The text is one of these strings.")
+    grammar: str | None = Field(None, min_length=1, description="A context-free grammar, in Lark or GBNF syntax.")
+
+    @model_validator(mode="after")
+    def exactly_one(self) -> StructuredOutputs:
+        given = [name for name in ("json_schema", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json, regex, choice and grammar, not {len(given)}")
+        return self
 
 
 ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaResponseFormat, Field(discriminator="type")]
@@ -82,6 +102,9 @@ class SamplingFields(Strict):
         None,
         description="json_object: the text is one JSON object; json_schema: one JSON value matching the schema. "
         "Each token is sampled among those that keep the text inside it (on /v1/completions too).",
+    )
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="Extension (as vLLM's): the text matches a JSON schema, a regex, a choice or a grammar."
     )
 
     @property
