@@ -334,10 +334,15 @@ def test_structured_outputs_hold_text_to_a_choice_a_regex_or_a_grammar_as_the_en
                 prompt=prompt,
                 max_tokens=32,
                 temperature=0,
+                logprobs=5,
                 extra_body={"structured_outputs": structured},
             )
             text = out.choices[0].text
             assert re.fullmatch(pattern, text), (structured, text)
+            logprobs = out.choices[0].logprobs
+            assert "".join(logprobs.tokens) == text + live.codec.eos_token  # the token that ended it is listed
+            for top in logprobs.top_logprobs:  # only tokens the grammar allowed, so at times fewer than 5
+                assert 1 <= len(top) <= 5 and all(np.isfinite(v) for v in top.values())
             assert out.choices[0].finish_reason == "stop"
             if grammar is not None:
                 assert text == expected_text(live.codec, solo(prompt, 32, grammar=grammar))

@@ -87,7 +87,8 @@ def scored_tokens(logprobs: np.ndarray, tokens: np.ndarray, top: int) -> list[tu
     out = []
     for row, token in zip(logprobs, tokens, strict=True):
         best = np.argsort(-row, kind="stable")[:top] if top else ()
-        out.append((float(row[token]), [(int(t), float(row[t])) for t in best]))
+        # a grammar leaves some rows fewer than `top` possible tokens: the impossible ones are not listed
+        out.append((float(row[token]), [(int(t), float(row[t])) for t in best if np.isfinite(row[t])]))
     return out
 
 
