@@ -132,6 +132,13 @@ class TokenConstraint:
         """A row of `sampled_vocab` logits with every token the grammar refuses at -inf."""
         return np.where(self.allowed(), logits, -np.inf).astype(np.float32)
 
+    def forced(self) -> list[int]:
+        """The tokens the grammar allows alone from here on (a key's name, a bracket), in order: drafts
+        that cost no model. Their text is forced; the model may still split it otherwise."""
+        if self.ended or self.matcher.is_stopped():
+            return []
+        return [t for t in self.matcher.compute_ff_tokens() if t < self.vocabulary.sampled_vocab]
+
     def advance(self, token: int) -> None:
         if self.ended or token in self.stops:
             self.ended = True

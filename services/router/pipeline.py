@@ -35,6 +35,7 @@ from cascadia.wire import sampling_message
 log = logging.getLogger("cascadia.router")
 CLOSE_ONLY_FRAME = 2**63  # frames that only free state carry this id and return no tokens
 MTP_SOURCE = "mtp"
+GRAMMAR_SOURCE = "grammar"  # tokens a stream's grammar allows alone, sent by the last stage
 
 
 class RequestFailed(RuntimeError):
@@ -238,9 +239,9 @@ class PipelineDriver:
             for t in result.tokens:  # a verified block returns several tokens, in order
                 sampled.setdefault(t.stream, []).append(t)
             tokens = {s: [t.token for t in ts] for s, ts in sampled.items()}
-            mtp = {s: list(ts[-1].draft) for s, ts in sampled.items() if ts[-1].draft}
+            drafts = {s: {GRAMMAR_SOURCE: ts[-1].forced, MTP_SOURCE: ts[-1].draft} for s, ts in sampled.items()}
             seconds = time.monotonic() - sent_at if sent_at is not None else None
-            for event in self.scheduler.on_frame_done(result.frame_id, tokens, mtp, seconds):
+            for event in self.scheduler.on_frame_done(result.frame_id, tokens, drafts, seconds):
                 self._emit(event, sampled[event.stream].pop(0))
             for v in self.scheduler.verified:
                 self.spec_stats["rounds"] += 1
@@ -294,8 +295,11 @@ class PipelineDriver:
                 except Exception:  # a draft is only ever an optimisation: decode without one
                     log.exception("the proposer failed; this round goes without drafts")
             for w, (tokens, source) in zip(wanted, proposals, strict=True):
-                # the MTP head's draft is one more source, ranked with the others by measured agreement
-                candidates = [(tokens[: w.k], source), (list(w.mtp), MTP_SOURCE)]
+                # the last stage's drafts are more sources, ranked with the others by measured agreement;
+                # what a grammar forces comes first, since a tie goes to the earlier candidate
+                stage = dict(w.stage)
+                candidates = [(list(stage.get(GRAMMAR_SOURCE, ())), GRAMMAR_SOURCE), (tokens[: w.k], source)]
+                candidates.append((list(stage.get(MTP_SOURCE, ())), MTP_SOURCE))
                 chosen, chosen_source = choose_draft(candidates, self.spec_by_source)
                 self.scheduler.set_draft(w.stream, chosen, chosen_source)
         frames = self.scheduler.next_frames()

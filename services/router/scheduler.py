@@ -141,7 +141,7 @@ class _Stream:
     # tokens generated when the stream last had a draft to verify; a new stream may probe at once
     drafted_at: int = -PROBE_EVERY
     mtp: bool = False  # the last stage's MTP head follows the stream
-    mtp_draft: tuple[int, ...] = ()  # the MTP head's continuation after the last token
+    stage_drafts: tuple[tuple[str, tuple[int, ...]], ...] = ()  # the last stage's continuations by source
 
     @property
     def prefilling(self) -> bool:
@@ -157,7 +157,8 @@ class DraftWanted:
     stream: RequestId
     context: tuple[int, ...]  # prompt and generated tokens so far
     k: int  # drafted tokens the next decode row has room for
-    mtp: tuple[int, ...] = ()  # the MTP head's draft, already in hand
+    # drafts the last stage sent with the stream's last token, by source (its MTP head, its grammar)
+    stage: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -340,12 +341,13 @@ class Scheduler:
         self,
         frame_id: int,
         tokens: dict[RequestId, int | Sequence[int]],
-        mtp_drafts: dict[RequestId, Sequence[int]] | None = None,
+        stage_drafts: dict[RequestId, dict[str, Sequence[int]]] | None = None,
         seconds: float | None = None,
     ) -> list[Emitted]:
         """The last stage's tokens for a frame (several for a verified block); returns what each stream emitted.
 
-        `mtp_drafts` holds the MTP head's continuations after each stream's last token; `seconds`, the
+        `stage_drafts` holds the last stage's continuations after each stream's last token, by source (its
+        MTP head, the tokens its grammar allows alone); `seconds`, the
         frame's time on the chain, teaches the draft lengths what rows cost.
         """
         frame = self._in_flight.pop(frame_id)
@@ -373,7 +375,8 @@ class Scheduler:
                 if accepted < len(row.draft):  # the stages hold the rejected drafts' positions too
                     stream.position = row.start + accepted + 1
                     stream.rewind_to = stream.position
-            stream.mtp_draft = tuple(int(t) for t in (mtp_drafts or {}).get(row.stream, ()))
+            drafts = (stage_drafts or {}).get(row.stream, {})
+            stream.stage_drafts = tuple((source, tuple(map(int, t))) for source, t in drafts.items() if t)
             params = stream.request.params
             for token in got:
                 stream.generated.append(token)
@@ -422,8 +425,9 @@ class Scheduler:
             k = paid
             if k > 0:
                 context = stream.request.prompt + tuple(stream.generated)
-                wanted.append(DraftWanted(stream.request.id, context, k, stream.mtp_draft[:k]))
-            stream.mtp_draft = ()
+                stage = tuple((source, t[:k]) for source, t in stream.stage_drafts)
+                wanted.append(DraftWanted(stream.request.id, context, k, stage))
+            stream.stage_drafts = ()
         return wanted
 
     def observe_proposal(self, stream_id: RequestId, asked: int, seconds: float) -> None:

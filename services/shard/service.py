@@ -444,6 +444,8 @@ class ShardServicer(rpc.ShardServicer):
                 rows = apply_logit_bias(rows, params)
                 for row, token in verified_tokens(rows, list(block.draft), params, sampler.rng, sampler.constraint):
                     result.tokens.append(self._sampled(block.stream, row, token, params))
+                if sampler.constraint is not None:
+                    result.tokens[-1].forced.extend(sampler.constraint.forced())
                 continue
             row = apply_logit_bias(rows[-1], params)
             if params.penalised:
@@ -453,11 +455,12 @@ class ShardServicer(rpc.ShardServicer):
             if sampler.constraint is not None:
                 row = sampler.constraint.mask(row)
             token = choose(row, params, sampler.rng)
-            if sampler.constraint is not None:
-                sampler.constraint.advance(token)
             if sampler.counts is not None:
                 sampler.counts[token] += 1
             result.tokens.append(self._sampled(block.stream, row, token, params))
+            if sampler.constraint is not None:
+                sampler.constraint.advance(token)
+                result.tokens[-1].forced.extend(sampler.constraint.forced())
         return result
 
     @staticmethod
