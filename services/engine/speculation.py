@@ -19,17 +19,13 @@ from cascadia.engine.sampling import SamplingParams, filtered_probabilities
 
 
 def accept_draft(
-    logits: np.ndarray,
-    draft: Sequence[int],
-    params: SamplingParams,
-    rng: np.random.Generator,
-    constraint: TokenConstraint | None = None,
+    logits: np.ndarray, draft: Sequence[int], params: SamplingParams, rng: np.random.Generator
 ) -> list[int]:
     """The tokens to emit for a verified block: the accepted drafts, then one token of the model's own.
 
     `logits` holds len(draft) + 1 rows: row i is the distribution after the block's first i drafts.
     """
-    return [token for _, token in verified_tokens(logits, draft, params, rng, constraint)]
+    return [token for _, token in verified_tokens(logits, draft, params, rng)]
 
 
 def verified_tokens(

@@ -347,8 +347,8 @@ class Scheduler:
         """The last stage's tokens for a frame (several for a verified block); returns what each stream emitted.
 
         `stage_drafts` holds the last stage's continuations after each stream's last token, by source (its
-        MTP head, the tokens its grammar allows alone); `seconds`, the
-        frame's time on the chain, teaches the draft lengths what rows cost.
+        MTP head, the tokens its grammar allows alone); `seconds`, the frame's time on the chain, teaches
+        the draft lengths what rows cost.
         """
         frame = self._in_flight.pop(frame_id)
         if seconds is not None:
