@@ -28,6 +28,7 @@ from cascadia.engine.grammar import GrammarVocabulary, choice_grammar, json_gram
 from cascadia.engine.sampling import SamplingParams
 from cascadia.engine.settings import EngineSettings
 from cascadia.gateway.text import TextCodec
+from cascadia.gateway.tools import tool_calls_schema
 from cascadia.model.checkpoint import load_stage
 from cascadia.model.config import load_shape
 from cascadia.router.local import free_port
@@ -346,6 +347,111 @@ def test_structured_outputs_hold_text_to_a_choice_a_regex_or_a_grammar_as_the_en
             assert out.choices[0].finish_reason == "stop"
             if grammar is not None:
                 assert text == expected_text(live.codec, solo(prompt, 32, grammar=grammar))
+
+
+WEATHER_ARGS = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+CLOCK_ARGS = {
+    "type": "object",
+    "properties": {"zone": {"enum": ["UTC", "CET"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": WEATHER_ARGS}},
+    {"type": "function", "function": {"name": "get_time", "parameters": CLOCK_ARGS}},
+]
+
+
+def _calls(tool_calls) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in tool_calls]
+
+
+def test_a_required_tool_call_is_held_to_the_tools_schemas_exactly_as_the_engine_does(live, solo):
+    client = live.client()
+    messages = [{"role": "user", "content": "What is the weather in Paris, and the time?"}]
+    out = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice="required", max_tokens=300, temperature=0
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = _calls(choice.message.tool_calls)
+    assert calls and all(c.type == "function" and c.id.startswith("call_") for c in choice.message.tool_calls)
+    for name, arguments in calls:
+        if name == "get_weather":
+            assert arguments["city"] in {"Paris", "Rome", "Oslo"} and arguments["unit"] in {"C", "F"}
+        else:
+            assert name == "get_time" and arguments["zone"] in {"UTC", "CET"}
+    schema = tool_calls_schema({"get_weather": WEATHER_ARGS, "get_time": CLOCK_ARGS}, parallel=True)
+    ids = solo(live.codec.encode_chat(messages, TOOLS), 300, grammar=json_grammar(schema))
+    assert calls == [(c["name"], c["arguments"]) for c in json.loads(expected_text(live.codec, ids))]
+
+    streamed = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice="required", max_tokens=300, temperature=0, stream=True
+    )
+    chunks = [c for c in streamed if c.choices]
+    deltas = [call for c in chunks for call in c.choices[0].delta.tool_calls or ()]
+    assert [d.index for d in deltas] == list(range(len(calls)))
+    assert _calls(deltas) == calls
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_named_tool_without_parallel_calls_gives_one_call_of_it_and_results_round_trip(live, solo):
+    client = live.client()
+    messages = [{"role": "user", "content": "Time?"}]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    out = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice=named, parallel_tool_calls=False, max_tokens=100
+    )
+    [(name, arguments)] = _calls(out.choices[0].message.tool_calls)
+    assert name == "get_time" and arguments["zone"] in {"UTC", "CET"}
+    call = out.choices[0].message.tool_calls[0]
+    history = [
+        *messages,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "12:00"},
+    ]
+    answer = client.chat.completions.create(
+        model=MODEL, messages=history, tools=TOOLS, tool_choice="none", max_tokens=8, temperature=0
+    )
+    rendered = [{**m, "content": m["content"] or ""} for m in history]
+    rendered[1]["tool_calls"] = [call.model_dump()]
+    expected = solo(live.codec.encode_chat(rendered, TOOLS), 8)  # the calls and the result reach the prompt
+    assert answer.choices[0].message.content == expected_text(live.codec, expected)
+    assert answer.choices[0].message.tool_calls is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": TOOLS}, "tool_choice"),  # auto, the default with tools, needs the model's own call markup
+        ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": [TOOLS[0], TOOLS[0]], "tool_choice": "required"}, "tools"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "has space"}}], "tool_choice": "none"}, "tools"),
+        ({"messages": [{"role": "tool", "content": "12:00"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": "hi", "tool_call_id": "x"}]}, "messages"),
+        ({"messages": [{"role": "assistant"}]}, "messages"),
+    ],
+)
+def test_bad_tool_requests_get_a_400_naming_the_parameter(live, extra, param):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra}
+    response = httpx.post(live.base + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEYS[0]}"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"].startswith(param)
 
 
 def test_chat_top_logprobs_are_sorted_and_include_alternatives(live):

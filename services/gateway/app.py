@@ -44,6 +44,7 @@ from cascadia.gateway.schemas import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatMessage,
     ChoiceLogprobs,
     CompletionChoice,
     CompletionLogprobs,
@@ -58,6 +59,7 @@ from cascadia.gateway.schemas import (
 )
 from cascadia.gateway.schemas import TokenLogprob as TokenLogprobBody
 from cascadia.gateway.text import TemplateFailed, TextCodec
+from cascadia.gateway.tools import tool_calls, tool_calls_schema
 
 log = logging.getLogger("cascadia.gateway")
 
@@ -225,12 +227,7 @@ class Gateway:
         param = "structured_outputs" if structured is not None else "response_format"
         if shaped and structured is not None:
             raise bad_request("Give response_format or structured_outputs, not both.", param)
-        if self.vocabulary is None or not self.codec.stop_token_ids:
-            raise bad_request(
-                f"This model's tokenizer cannot be matched against a {param}"
-                + ("." if self.vocabulary is None else ": it has no end-of-text token."),
-                param,
-            )
+        self.check_grammars_served(param)
         try:
             if structured is None:
                 grammar = json_grammar(shape.json_schema.json_schema if shape.type == "json_schema" else None)
@@ -247,7 +244,50 @@ class Gateway:
             raise bad_request(f"Invalid '{param}': {exc}", param) from None
         return grammar
 
-    def sampling(self, body: SamplingFields, max_tokens: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
+    def check_grammars_served(self, param: str) -> None:
+        if self.vocabulary is None or not self.codec.stop_token_ids:
+            raise bad_request(
+                f"This model's tokenizer cannot be matched against a {param}"
+                + ("." if self.vocabulary is None else ": it has no end-of-text token."),
+                param,
+            )
+
+    def tool_grammar(self, body: ChatCompletionRequest) -> str:
+        """The grammar of a forced tool call ("" when the answer is free), checked here (400)."""
+        choice = body.tool_choice or ("auto" if body.tools else "none")
+        if not body.tools:
+            if choice != "none":
+                raise bad_request("'tool_choice' needs 'tools'.", "tool_choice")
+            return ""
+        if choice == "none":
+            return ""
+        if choice == "auto":
+            raise bad_request(
+                "tool_choice 'auto' needs a parser of this model's own tool-call markup, which this gateway does "
+                "not have; give 'required', a named function or 'none'.",
+                "tool_choice",
+            )
+        tools = {t.function.name: t.function.parameters for t in body.tools}
+        if len(tools) < len(body.tools):
+            raise bad_request("Tool names must be distinct.", "tools")
+        if (body.response_format is not None and body.response_format.type != "text") or body.structured_outputs:
+            raise bad_request("A forced tool call and a response_format cannot both shape the answer.", "tool_choice")
+        if not isinstance(choice, str):
+            if choice.function.name not in tools:
+                named = choice.function.name
+                raise bad_request(f"tool_choice names '{named}', which is not in 'tools'.", "tool_choice")
+            tools = {choice.function.name: tools[choice.function.name]}
+        self.check_grammars_served("tools")
+        try:
+            grammar = json_grammar(tool_calls_schema(tools, body.parallel_tool_calls is not False))
+            check_grammar(grammar, self.vocabulary)
+        except GrammarError as exc:
+            raise bad_request(f"Invalid 'tools': {exc}", "tools") from None
+        return grammar
+
+    def sampling(
+        self, body: SamplingFields, max_tokens: int, logprobs: bool, top_logprobs: int, grammar: str = ""
+    ) -> SamplingParams:
         return SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
             top_k=body.top_k or 0,
@@ -260,7 +300,7 @@ class Gateway:
             top_logprobs=top_logprobs,
             logprobs=logprobs,
             logit_bias=self.logit_bias(body),
-            grammar=self.grammar(body),
+            grammar=grammar or self.grammar(body),
         )
 
     def choices(
@@ -410,6 +450,27 @@ def _streaming_response(
 
 def _token_bytes(text: str) -> list[int]:
     return list(text.encode("utf-8", errors="replace"))
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    """A request's message as chat templates take it (an assistant's calls and a tool's answer included)."""
+    out: dict[str, Any] = {"role": message.role, "content": message.text()}
+    if message.name:
+        out["name"] = message.name
+    if message.tool_calls:
+        out["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def _answer(text: str, finish_reason: str | None, forced: bool) -> tuple[dict[str, Any], str | None]:
+    """The assistant's message and finish reason: a forced call's text becomes `tool_calls`, unless it was
+    cut short (then it stays content, as the model wrote it)."""
+    if forced and finish_reason == "stop":
+        with contextlib.suppress(ValueError):
+            return {"content": None, "tool_calls": tool_calls(text)}, "tool_calls"
+    return {"content": text}, finish_reason
 
 
 def _chat_logprobs(tokens: list[TokenLogprob]) -> ChoiceLogprobs:
@@ -604,34 +665,51 @@ def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, ke
         gateway.check_model(body.model)
         if body.top_logprobs and not body.logprobs:
             raise bad_request("'top_logprobs' needs 'logprobs' set to true.", "top_logprobs")
-        messages = [
-            {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages
-        ]
+        tool_grammar = gateway.tool_grammar(body)
+        messages = [_template_message(m) for m in body.messages]
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
         try:
-            ids = codec.encode_chat(messages)
+            ids = codec.encode_chat(messages, tools)
         except TemplateFailed as exc:
             raise bad_request(str(exc), "messages") from None
         if not ids:
             raise bad_request("The messages render to an empty prompt.", "messages")
         max_tokens = gateway.check_prompt(ids, body.max_completion_tokens or body.max_tokens, "messages")
-        params = gateway.sampling(body, max_tokens, bool(body.logprobs), body.top_logprobs or 0 if body.logprobs else 0)
+        top = body.top_logprobs or 0 if body.logprobs else 0
+        params = gateway.sampling(body, max_tokens, bool(body.logprobs), top, tool_grammar)
         choices = gateway.choices("chatcmpl", [ids], [params], body)
         created = int(time.time())
         gateway.limiter.acquire(key)
         if body.stream:
             started: set[int] = set()
+            held: dict[int, str] = {}  # a forced call's text, sent whole as tool_calls once it is complete
 
             def chunk(index: int, delta: Delta) -> dict | None:
                 first = index not in started
-                if not (first or delta.text or delta.finish_reason or delta.tokens):
+                text = delta.text
+                if tool_grammar:
+                    held[index] = held.get(index, "") + text
+                    text = ""
+                    if delta.finish_reason:
+                        answer, finish = _answer(held.pop(index), delta.finish_reason, forced=True)
+                        for i, call in enumerate(answer.get("tool_calls") or ()):
+                            call["index"] = i  # a streamed call says which one it extends
+                        if first:
+                            answer["role"] = "assistant"
+                        started.add(index)
+                        choice = {"index": index, "delta": answer, "logprobs": None, "finish_reason": finish}
+                        return envelope.chunk(choice)
+                    if not first:
+                        return None
+                if not (first or text or delta.finish_reason or delta.tokens):
                     return None
                 content: dict[str, Any] = {}
                 if first:
                     content["role"] = "assistant"
-                if delta.text or first:
-                    content["content"] = delta.text
+                if text or first:
+                    content["content"] = None if tool_grammar else text
                 started.add(index)
-                logprobs = _chat_logprobs(delta.tokens).model_dump() if body.logprobs else None
+                logprobs = _chat_logprobs(delta.tokens).model_dump() if body.logprobs and not tool_grammar else None
                 choice = {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": delta.finish_reason}
                 return envelope.chunk(choice)
 
@@ -645,11 +723,12 @@ def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, ke
             choices=[
                 ChatChoice(
                     index=index,
-                    message=AssistantMessage(content=g.text),
+                    message=AssistantMessage(**answer),
                     logprobs=_chat_logprobs(g.logprobs) if body.logprobs else None,
-                    finish_reason=g.finish_reason,
+                    finish_reason=finish,
                 )
                 for index, g in enumerate(choices.generations)
+                for answer, finish in [_answer(g.text, g.finish_reason, bool(tool_grammar))]
             ],
             usage=choices.usage(),
         )

@@ -12,9 +12,12 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-# Used when a model ships no template: role-tagged turns, then the assistant's cue.
+# Used when a model ships no template: the tools if any, role-tagged turns (with an assistant's calls),
+# then the assistant's cue.
 PLAIN_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if tools %}tools: {{ tools | tojson }}\n{% endif %}"
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}"
+    "{% if message['tool_calls'] %} {{ message['tool_calls'] | tojson }}{% endif %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 
@@ -117,7 +120,8 @@ class TextCodec:
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text of `messages`; `tools` (OpenAI's tool definitions) go to templates that take them."""
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
         def raise_exception(message: str) -> None:
@@ -129,15 +133,16 @@ class TextCodec:
             return template.render(
                 messages=messages,
                 add_generation_prompt=True,
+                **({"tools": tools} if tools else {}),
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
             )
         except TemplateError as exc:
             raise TemplateFailed(f"the chat template failed: {exc}") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         # templates put BOS into the text themselves; do not add a second one
-        return self.encode(self.render_chat(messages), add_bos=False)
+        return self.encode(self.render_chat(messages, tools), add_bos=False)
 
 
 class IncrementalDetokenizer:
