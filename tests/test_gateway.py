@@ -419,7 +419,9 @@ def test_a_named_tool_without_parallel_calls_gives_one_call_of_it_and_results_ro
         model=MODEL, messages=history, tools=TOOLS, tool_choice="none", max_tokens=8, temperature=0
     )
     rendered = [{**m, "content": m["content"] or ""} for m in history]
-    rendered[1]["tool_calls"] = [call.model_dump()]
+    rendered[1]["tool_calls"] = [
+        {"id": call.id, "type": "function", "function": {"name": name, "arguments": arguments}}  # arguments parsed
+    ]
     expected = solo(live.codec.encode_chat(rendered, TOOLS), 8)  # the calls and the result reach the prompt
     assert answer.choices[0].message.content == expected_text(live.codec, expected)
     assert answer.choices[0].message.tool_calls is None

@@ -457,18 +457,24 @@ def _template_message(message: ChatMessage) -> dict[str, Any]:
     out: dict[str, Any] = {"role": message.role, "content": message.text()}
     if message.name:
         out["name"] = message.name
-    if message.tool_calls:
-        out["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+    if message.tool_calls:  # arguments as an object, which templates write out themselves (as HF's expect)
+        out["tool_calls"] = [_template_call(call.model_dump()) for call in message.tool_calls]
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     return out
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    with contextlib.suppress(ValueError):
+        call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+    return call
 
 
 def _answer(text: str, finish_reason: str | None, forced: bool) -> tuple[dict[str, Any], str | None]:
     """The assistant's message and finish reason: a forced call's text becomes `tool_calls`, unless it was
     cut short (then it stays content, as the model wrote it)."""
     if forced and finish_reason == "stop":
-        with contextlib.suppress(ValueError):
+        with contextlib.suppress(ValueError, KeyError, TypeError):  # a stop string cut the calls short
             return {"content": None, "tool_calls": tool_calls(text)}, "tool_calls"
     return {"content": text}, finish_reason
 
