@@ -1302,7 +1302,7 @@ def bench_spec(
         ),
     ] = "chat",
     families: Annotated[
-        str, typer.Option(help="Comma-separated families: copy, edit, rewrite, pattern, free (default: all).")
+        str, typer.Option(help="Comma-separated families: copy, edit, rewrite, pattern, free, json (default: all).")
     ] = "",
     draft_model: Annotated[
         str | None,

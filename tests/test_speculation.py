@@ -743,6 +743,10 @@ def test_bench_families_go_through_the_chat_template_and_stop_with_the_turn():
         assert ids == codec.encode_chat([{"role": "user", "content": CHAT_FAMILIES[family]}])
         assert params.stop_ids == codec.stop_token_ids and params.stop_ids  # ends where a chat reply ends
         assert codec.decode(ids).rstrip().endswith("assistant")
-    assert all(not params.stop_ids and params.max_tokens == 64 for _, params in raw.values())
-    with pytest.raises(ValueError, match="form 'json' is not one of chat, completion"):
-        family_prompts(codec, "json", 64)
+    assert all(not params.stop_ids and params.max_tokens == 64 for f, (_, params) in raw.items() if f != "json")
+    for form in (chat, raw):  # the json family is held to its schema, which ends with the model's end token
+        shaped = form["json"][1]
+        assert shaped.grammar and shaped.stop_ids == codec.stop_token_ids
+        assert all(not params.grammar for f, (_, params) in form.items() if f != "json")
+    with pytest.raises(ValueError, match="form 'yaml' is not one of chat, completion"):
+        family_prompts(codec, "yaml", 64)

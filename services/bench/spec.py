@@ -11,12 +11,13 @@ import asyncio
 import json
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
+from cascadia.engine.grammar import json_grammar
 from cascadia.engine.sampling import SamplingParams
 
 PASSAGE = (
@@ -31,6 +32,32 @@ PATTERN = "Continue the sequence: red, green, blue, red, green, blue, red, green
 FREE = "Write a short story about a dragon who learns to bake bread."
 COPY_ASK = "Copy the text below exactly."
 EDIT_ASK = "Fix the bug in this function and print the whole corrected function."
+JSON_ASK = "Describe Paris as JSON: its country, population and three landmarks."
+# the "json" family answers held to this schema (a response_format): its keys and punctuation are
+# what the grammar drafts on its own
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "country": {"type": "string", "maxLength": 24},
+        "population_millions": {"type": "integer", "minimum": 0, "maximum": 99},
+        "landmarks": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 32},
+                    "kind": {"enum": ["museum", "tower", "church", "park", "bridge"]},
+                },
+                "required": ["name", "kind"],
+                "additionalProperties": False,
+            },
+            "maxItems": 3,
+        },
+    },
+    "required": ["city", "country", "population_millions", "landmarks"],
+    "additionalProperties": False,
+}
 # each family as a user's message, sent as /v1/chat/completions sends it: through the model's chat
 # template, ending where the model ends its turn
 CHAT_FAMILIES: dict[str, str] = {
@@ -39,6 +66,7 @@ CHAT_FAMILIES: dict[str, str] = {
     "rewrite": f'Rewrite the text below, replacing the word "keeper" with "guardian".\n\n{PASSAGE}',
     "pattern": PATTERN,
     "free": FREE,
+    "json": JSON_ASK,
 }
 # the same asks as raw prompts for /v1/completions, decoding `new_tokens` whatever the model says
 COMPLETION_FAMILIES: dict[str, str] = {
@@ -47,6 +75,7 @@ COMPLETION_FAMILIES: dict[str, str] = {
     "rewrite": f"Repeat this sentence word for word, then stop.\n{PASSAGE}\nRepeated:\n",
     "pattern": PATTERN,
     "free": FREE,
+    "json": f"{JSON_ASK}\n",
 }
 FORMS = ("chat", "completion")
 FAMILIES = tuple(CHAT_FAMILIES)
@@ -69,14 +98,21 @@ class SpecBenchConfig:
 
 
 def family_prompts(codec, form: str, new_tokens: int) -> dict[str, tuple[list[int], SamplingParams]]:
-    """Each family's prompt ids and greedy sampling: chat messages stop at the end of the model's turn."""
-    if form == "chat":
-        params = SamplingParams(max_tokens=new_tokens, stop_ids=codec.stop_token_ids)
-        return {f: (codec.encode_chat([{"role": "user", "content": t}]), params) for f, t in CHAT_FAMILIES.items()}
-    if form == "completion":
-        params = SamplingParams(max_tokens=new_tokens)
-        return {f: (codec.encode(t), params) for f, t in COMPLETION_FAMILIES.items()}
-    raise ValueError(f"form '{form}' is not one of {', '.join(FORMS)}")
+    """Each family's prompt ids and greedy sampling: chat messages stop at the end of the model's turn;
+    the json family's answer is held to `CITY_SCHEMA` and ends with it."""
+    if form not in FORMS:
+        raise ValueError(f"form '{form}' is not one of {', '.join(FORMS)}")
+    chat = form == "chat"
+    params = SamplingParams(max_tokens=new_tokens, stop_ids=codec.stop_token_ids if chat else frozenset())
+    shaped = replace(params, stop_ids=codec.stop_token_ids, grammar=json_grammar(CITY_SCHEMA))
+    texts = CHAT_FAMILIES if chat else COMPLETION_FAMILIES
+    return {
+        family: (
+            codec.encode_chat([{"role": "user", "content": text}]) if chat else codec.encode(text),
+            shaped if family == "json" else params,
+        )
+        for family, text in texts.items()
+    }
 
 
 async def _one(driver, rid: str, prompt: list[int], params: SamplingParams, speculate: bool) -> dict[str, float]:
