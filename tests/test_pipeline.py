@@ -363,6 +363,38 @@ def test_requests_beyond_the_fleets_limits_are_refused_at_the_router_and_others_
     assert [r.tokens for r in results] == [solo(r) for r in good]
 
 
+def test_requests_that_came_before_any_stage_answered_are_checked_once_the_stages_report(tiny, tmp_path, solo):
+    """A request submitted while no stage answers `Stats` waits unchecked; when the limits arrive, one that
+    does not fit fails alone, naming what, and the others run."""
+    vocab = load_shape(tiny).vocab_size
+    good = prompts(2, seed=6)
+    bad = Request("bad", (5, vocab + 7), SamplingParams(max_tokens=4))
+    fleet = LocalFleet(tiny, 2)
+    fleet.start(log_dir=tmp_path)  # the shards load their layers for seconds before they answer
+
+    async def go():
+        driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, SchedulerConfig(stages=2))
+        await driver.start()
+        try:
+            waiting = [await driver.submit(r) for r in [good[0], bad, good[1]]]
+            unchecked = driver.limits is None
+            await driver.wait_ready(timeout=120)
+            for pending in waiting:
+                await pending.done.wait()
+            return unchecked, waiting
+        finally:
+            await driver.stop()
+
+    try:
+        unchecked, (first, refused, second) = asyncio.run(go())
+    finally:
+        fleet.stop()
+    assert unchecked  # the three were queued before the limits were known
+    assert refused.invalid and f"token id {vocab + 7} is outside the vocabulary" in refused.error
+    assert not first.error and not second.error
+    assert [first.tokens, second.tokens] == [solo(r) for r in good]
+
+
 def test_requests_queued_while_a_shard_is_down_are_served_once_it_is_back(fleet_of, solo, tmp_path):
     fleet = fleet_of(3)
     port = free_port()

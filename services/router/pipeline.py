@@ -50,6 +50,7 @@ class _Pending:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # (Emitted, SampledToken), then None
     error: str | None = None
+    invalid: bool = False  # the error is the request's own: it does not fit the fleet
     first_token_at: float | None = None
     token_times: list[float] = field(default_factory=list)
     prompt_scores: list = field(default_factory=list)  # ScoredToken of prompt positions 1, 2, ... (score_prompt)
@@ -137,17 +138,27 @@ class PipelineDriver:
                 raise RequestFailed(f"stages {missing} are not serving after {timeout:.0f} s")
             await asyncio.sleep(0.1)
 
-    async def stage_stats(self) -> list:
+    async def stage_stats(self, timeout: float = 5.0) -> list:
         """Every stage's `Stats` (open streams, state bytes, busy seconds, frames computed), in chain order."""
-        calls = (rpc.ShardStub(c).Stats(pb.StatsRequest(), timeout=5) for c in self._channels)
+        calls = (rpc.ShardStub(c).Stats(pb.StatsRequest(), timeout=timeout) for c in self._channels)
         return list(await asyncio.gather(*calls))
 
-    async def learn_limits(self) -> None:
-        """What requests must fit from now on, as the stages report it (kept as it was if one does not answer)."""
+    async def learn_limits(self, timeout: float = 5.0) -> None:
+        """What requests must fit from now on, as the stages report it (kept as it was if one does not answer).
+        Requests still waiting for admission are checked against them: one that no longer fits (it came
+        before any stage answered, or a stage came back with other settings) fails alone."""
         if not self._channels:  # not started
             return
         with contextlib.suppress(grpc.aio.AioRpcError):
-            self.limits = fleet_limits(await self.stage_stats())
+            self.limits = fleet_limits(await self.stage_stats(timeout))
+        if self.limits is None:
+            return
+        for request in self.scheduler.waiting():
+            try:
+                check_request(request.prompt, request.params, self.limits)
+            except ValueError as exc:
+                self.scheduler.cancel(request.id)
+                self._fail([request.id], str(exc), invalid=True)
 
     async def stage_health(self) -> list[bool]:
         async def one(channel: grpc.aio.Channel) -> bool:
@@ -191,7 +202,7 @@ class PipelineDriver:
         if request.id in self._pending:
             raise ValueError(f"request {request.id} is already running")
         if self.limits is None:  # before the chain was first ready: ask the stages that answer already
-            await self.learn_limits()
+            await self.learn_limits(timeout=1.0)
         check_request(request.prompt, request.params, self.limits or UNREPORTED)
         pending = _Pending(request)
         self.scheduler.submit(request)
@@ -277,11 +288,12 @@ class PipelineDriver:
             if self.proposer is not None:
                 self._spawn(self.proposer.forget(event.stream, share=True))
 
-    def _fail(self, streams: list[str], error: str) -> None:
+    def _fail(self, streams: list[str], error: str, invalid: bool = False) -> None:
         for stream in streams:
             pending = self._pending.get(stream)
             if pending and not pending.done.is_set():
                 pending.error = error
+                pending.invalid = invalid
                 pending.done.set()
                 pending.events.put_nowait(None)
 

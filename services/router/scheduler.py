@@ -325,6 +325,10 @@ class Scheduler:
             raise Overloaded(f"overloaded: {len(self._queue)} requests already wait for admission")
         self._queue.append(request)
 
+    def waiting(self) -> tuple[Request, ...]:
+        """Requests waiting for admission, first come first."""
+        return tuple(self._queue)
+
     def set_chain_ready(self, ready: bool) -> None:
         self._chain_ready = ready
 

@@ -56,7 +56,8 @@ class RouterServicer(rpc.RouterServicer):
                 )
                 first = False
             if pending.error and pending.error != "cancelled":
-                await context.abort(grpc.StatusCode.UNAVAILABLE, pending.error)
+                code = grpc.StatusCode.INVALID_ARGUMENT if pending.invalid else grpc.StatusCode.UNAVAILABLE
+                await context.abort(code, pending.error)
         finally:
             if not pending.done.is_set():  # the client went away: free the stream on every stage
                 await self.driver.cancel(rid)
