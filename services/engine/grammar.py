@@ -83,7 +83,8 @@ class GrammarVocabulary:
         size = _vocab_size(tokenizer_document)
         self.tokenizer = llguidance.LLTokenizer(tokenizer_document, n_vocab=max(size, sampled_vocab))
         self.sampled_vocab = sampled_vocab
-        self._own_ends = np.array(self.tokenizer.eos_tokens, dtype=np.int64)
+        ends = np.array(self.tokenizer.eos_tokens, dtype=np.int64)
+        self._own_ends = ends[ends < sampled_vocab]
 
     @classmethod
     def from_model(cls, model: Path, sampled_vocab: int) -> GrammarVocabulary | None:
@@ -100,7 +101,7 @@ class GrammarVocabulary:
         """The matcher's next tokens as a bool row of `sampled_vocab`, its own end tokens cleared."""
         bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
         allowed = np.unpackbits(bits, bitorder="little")[: self.sampled_vocab].astype(bool)
-        allowed[self._own_ends[self._own_ends < self.sampled_vocab]] = False
+        allowed[self._own_ends] = False
         return allowed
 
 

@@ -286,8 +286,9 @@ class Gateway:
         return grammar
 
     def sampling(
-        self, body: SamplingFields, max_tokens: int, logprobs: bool, top_logprobs: int, grammar: str = ""
+        self, body: SamplingFields, max_tokens: int, logprobs: bool, top_logprobs: int, grammar: str
     ) -> SamplingParams:
+        """`grammar`: from `grammar` or `tool_grammar`, built once for all of a request's prompts."""
         return SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
             top_k=body.top_k or 0,
@@ -300,7 +301,7 @@ class Gateway:
             top_logprobs=top_logprobs,
             logprobs=logprobs,
             logit_bias=self.logit_bias(body),
-            grammar=grammar or self.grammar(body),
+            grammar=grammar,
         )
 
     def choices(
@@ -613,8 +614,9 @@ def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, ke
         gateway.check_model(body.model)
         prompts = [codec.encode(p) if isinstance(p, str) else list(p) for p in body.prompts]
         top, wants_logprobs = body.logprobs or 0, body.logprobs is not None
+        grammar = gateway.grammar(body)
         params = [
-            gateway.sampling(body, gateway.check_prompt(ids, body.max_tokens, "prompt"), wants_logprobs, top)
+            gateway.sampling(body, gateway.check_prompt(ids, body.max_tokens, "prompt"), wants_logprobs, top, grammar)
             for ids in prompts
         ]
         choices = gateway.choices("cmpl", prompts, params, body, score_prompt=bool(body.echo) and wants_logprobs)
@@ -682,7 +684,7 @@ def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, ke
             raise bad_request("The messages render to an empty prompt.", "messages")
         max_tokens = gateway.check_prompt(ids, body.max_completion_tokens or body.max_tokens, "messages")
         top = body.top_logprobs or 0 if body.logprobs else 0
-        params = gateway.sampling(body, max_tokens, bool(body.logprobs), top, tool_grammar)
+        params = gateway.sampling(body, max_tokens, bool(body.logprobs), top, tool_grammar or gateway.grammar(body))
         choices = gateway.choices("chatcmpl", [ids], [params], body)
         created = int(time.time())
         gateway.limiter.acquire(key)

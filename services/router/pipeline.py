@@ -250,7 +250,11 @@ class PipelineDriver:
             for t in result.tokens:  # a verified block returns several tokens, in order
                 sampled.setdefault(t.stream, []).append(t)
             tokens = {s: [t.token for t in ts] for s, ts in sampled.items()}
-            drafts = {s: {GRAMMAR_SOURCE: ts[-1].forced, MTP_SOURCE: ts[-1].draft} for s, ts in sampled.items()}
+            drafts = {
+                s: {GRAMMAR_SOURCE: ts[-1].forced, MTP_SOURCE: ts[-1].draft}
+                for s, ts in sampled.items()
+                if ts[-1].forced or ts[-1].draft
+            }
             seconds = time.monotonic() - sent_at if sent_at is not None else None
             for event in self.scheduler.on_frame_done(result.frame_id, tokens, drafts, seconds):
                 self._emit(event, sampled[event.stream].pop(0))
