@@ -24,11 +24,11 @@ import pytest
 from cascadia.bench.load import wait_until_ready
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.generate import generate
-from cascadia.engine.grammar import GrammarVocabulary, choice_grammar, json_grammar, regex_grammar
+from cascadia.engine.grammar import GrammarVocabulary, cfg_grammar, choice_grammar, json_grammar, regex_grammar
 from cascadia.engine.sampling import SamplingParams
 from cascadia.engine.settings import EngineSettings
 from cascadia.gateway.text import TextCodec
-from cascadia.gateway.tools import tool_calls_schema
+from cascadia.gateway.tools import CALL_CLOSE, CALL_OPEN, markup_grammar, split_calls
 from cascadia.model.checkpoint import load_stage
 from cascadia.model.config import load_shape
 from cascadia.router.local import free_port
@@ -371,14 +371,60 @@ def _calls(tool_calls) -> list[tuple[str, dict]]:
     return [(c.function.name, json.loads(c.function.arguments)) for c in tool_calls]
 
 
-def test_a_required_tool_call_is_held_to_the_tools_schemas_exactly_as_the_engine_does(live, solo):
+def _calls_of(calls: list[dict]) -> list[tuple[str, dict]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+def _call_grammar(parallel: bool, prose: bool) -> str:
+    """The grammar the gateway holds calls to for TOOLS (the tiny tokenizer holds both tags as tokens)."""
+    tools = {"get_weather": WEATHER_ARGS, "get_time": CLOCK_ARGS}
+    return cfg_grammar(markup_grammar(tools, parallel, prose, special=[CALL_OPEN, CALL_CLOSE]))
+
+
+def test_auto_answers_in_text_or_calls_exactly_as_the_engine_does(live, solo):
     client = live.client()
-    messages = [{"role": "user", "content": "What is the weather in Paris, and the time?"}]
-    out = client.chat.completions.create(
-        model=MODEL, messages=messages, tools=TOOLS, tool_choice="required", max_tokens=300, temperature=0
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    prompt = live.codec.encode_chat(messages, TOOLS)
+    tag = live.codec.tokenizer.token_to_id(CALL_OPEN)
+    grammar = _call_grammar(parallel=False, prose=True)
+
+    # auto is the default with tools; left alone, the tiny model answers in text
+    text = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, parallel_tool_calls=False, max_tokens=24, temperature=0
     )
+    expected = expected_text(live.codec, solo(prompt, 24, grammar=grammar))
+    assert CALL_OPEN not in expected
+    assert text.choices[0].message.content == expected and text.choices[0].message.tool_calls is None
+
+    pushed = {"tools": TOOLS, "tool_choice": "auto", "parallel_tool_calls": False, "logit_bias": {str(tag): 100}}
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=100, temperature=0, **pushed)
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [(name, arguments)] = _calls(choice.message.tool_calls)
+    if name == "get_weather":
+        assert arguments["city"] in {"Paris", "Rome", "Oslo"} and arguments["unit"] in {"C", "F"}
+    else:
+        assert name == "get_time" and arguments["zone"] in {"UTC", "CET"}
+    ids = solo(prompt, 100, grammar=grammar, logit_bias=((tag, 100.0),))
+    prose, expected_calls = split_calls(expected_text(live.codec, ids))
+    assert prose == "" and _calls_of(expected_calls) == [(name, arguments)]
+
+    streamed = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=100, temperature=0, stream=True, **pushed
+    )
+    chunks = [c for c in streamed if c.choices]
+    deltas = [call for c in chunks for call in c.choices[0].delta.tool_calls or ()]
+    assert [d.index for d in deltas] == [0] and _calls(deltas) == [(name, arguments)]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_required_tool_calls_are_held_to_the_tools_schemas_exactly_as_the_engine_does(live, solo):
+    client = live.client()
+    messages = [{"role": "user", "content": "What is the weather in Paris, and the time?"}]
+    asked = {"tools": TOOLS, "tool_choice": "required", "max_tokens": 150, "temperature": 0}
+    out = client.chat.completions.create(model=MODEL, messages=messages, **asked)
+    choice = out.choices[0]
     calls = _calls(choice.message.tool_calls)
     assert calls and all(c.type == "function" and c.id.startswith("call_") for c in choice.message.tool_calls)
     for name, arguments in calls:
@@ -386,18 +432,21 @@ def test_a_required_tool_call_is_held_to_the_tools_schemas_exactly_as_the_engine
             assert arguments["city"] in {"Paris", "Rome", "Oslo"} and arguments["unit"] in {"C", "F"}
         else:
             assert name == "get_time" and arguments["zone"] in {"UTC", "CET"}
-    schema = tool_calls_schema({"get_weather": WEATHER_ARGS, "get_time": CLOCK_ARGS}, parallel=True)
-    ids = solo(live.codec.encode_chat(messages, TOOLS), 300, grammar=json_grammar(schema))
-    assert calls == [(c["name"], c["arguments"]) for c in json.loads(expected_text(live.codec, ids))]
+    ids = solo(live.codec.encode_chat(messages, TOOLS), 150, grammar=_call_grammar(parallel=True, prose=False))
+    rest, expected = split_calls(expected_text(live.codec, ids))
+    assert calls == _calls_of(expected)
+    # the random model may call until max_tokens: the whole calls are calls, a call cut short stays text
+    ended = ids[-1] in live.codec.stop_token_ids
+    assert choice.finish_reason == ("tool_calls" if ended else "length")
+    assert choice.message.content == (rest or None) and (rest == "") == ended
 
-    streamed = client.chat.completions.create(
-        model=MODEL, messages=messages, tools=TOOLS, tool_choice="required", max_tokens=300, temperature=0, stream=True
-    )
+    streamed = client.chat.completions.create(model=MODEL, messages=messages, stream=True, **asked)
     chunks = [c for c in streamed if c.choices]
     deltas = [call for c in chunks for call in c.choices[0].delta.tool_calls or ()]
     assert [d.index for d in deltas] == list(range(len(calls)))
     assert _calls(deltas) == calls
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == rest
+    assert chunks[-1].choices[0].finish_reason == choice.finish_reason
 
 
 def test_a_named_tool_without_parallel_calls_gives_one_call_of_it_and_results_round_trip(live, solo):
@@ -430,8 +479,7 @@ def test_a_named_tool_without_parallel_calls_gives_one_call_of_it_and_results_ro
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"tools": TOOLS}, "tool_choice"),  # auto, the default with tools, needs the model's own call markup
-        ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
+        ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "tool_choice"),  # auto, the default
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tools": [TOOLS[0], TOOLS[0]], "tool_choice": "required"}, "tools"),

@@ -91,6 +91,12 @@ class GrammarVocabulary:
         document = tokenizer_json(model)
         return cls(document, sampled_vocab) if document is not None else None
 
+    def is_special(self, text: str) -> bool:
+        """Whether `text` is one of the tokenizer's added tokens, which a grammar names (`<text>`) rather
+        than spells."""
+        tokens = self.tokenizer.tokenize_str(text)
+        return len(tokens) == 1 and bool(self.tokenizer.is_special_token(tokens[0]))
+
     def constraint(self, grammar: str, stop_ids: Iterable[int]) -> TokenConstraint:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():

@@ -59,7 +59,15 @@ from cascadia.gateway.schemas import (
 )
 from cascadia.gateway.schemas import TokenLogprob as TokenLogprobBody
 from cascadia.gateway.text import TemplateFailed, TextCodec
-from cascadia.gateway.tools import tool_calls, tool_calls_schema
+from cascadia.gateway.tools import (
+    CALL_CLOSE,
+    CALL_OPEN,
+    CallReader,
+    markup_grammar,
+    split_calls,
+    tool_calls,
+    tool_calls_schema,
+)
 
 log = logging.getLogger("cascadia.gateway")
 
@@ -161,6 +169,15 @@ def _param_name(location: tuple) -> str | None:
     return ".".join(parts) or None
 
 
+@dataclass(frozen=True)
+class ToolAnswer:
+    """How an answer that calls tools is held and read: `markup`, calls in `<tool_call>` blocks (text may
+    come first under tool_choice auto); otherwise a bare JSON list of calls."""
+
+    grammar: str
+    markup: bool
+
+
 @dataclass
 class Gateway:
     config: GatewayConfig
@@ -252,38 +269,46 @@ class Gateway:
                 param,
             )
 
-    def tool_grammar(self, body: ChatCompletionRequest) -> str:
-        """The grammar of a forced tool call ("" when the answer is free), checked here (400)."""
+    def tool_grammar(self, body: ChatCompletionRequest) -> ToolAnswer | None:
+        """The grammar of an answer that may or must call tools (None when the answer is free text),
+        checked here (400)."""
         choice = body.tool_choice or ("auto" if body.tools else "none")
         if not body.tools:
             if choice != "none":
                 raise bad_request("'tool_choice' needs 'tools'.", "tool_choice")
-            return ""
+            return None
         if choice == "none":
-            return ""
-        if choice == "auto":
+            return None
+        markup = self.codec.knows_call_markup
+        if choice == "auto" and not markup:
             raise bad_request(
-                "tool_choice 'auto' needs a parser of this model's own tool-call markup, which this gateway does "
-                "not have; give 'required', a named function or 'none'.",
+                f"tool_choice 'auto' reads calls in the {CALL_OPEN} markup, and this model's chat template writes "
+                "calls another way; give 'required', a named function or 'none'.",
                 "tool_choice",
             )
         tools = {t.function.name: t.function.parameters for t in body.tools}
         if len(tools) < len(body.tools):
             raise bad_request("Tool names must be distinct.", "tools")
         if (body.response_format is not None and body.response_format.type != "text") or body.structured_outputs:
-            raise bad_request("A forced tool call and a response_format cannot both shape the answer.", "tool_choice")
+            raise bad_request("Tool calls and a response_format cannot both shape the answer.", "tool_choice")
         if not isinstance(choice, str):
             if choice.function.name not in tools:
                 named = choice.function.name
                 raise bad_request(f"tool_choice names '{named}', which is not in 'tools'.", "tool_choice")
             tools = {choice.function.name: tools[choice.function.name]}
         self.check_grammars_served("tools")
+        parallel = body.parallel_tool_calls is not False
         try:
-            grammar = json_grammar(tool_calls_schema(tools, body.parallel_tool_calls is not False))
+            if markup:
+                assert self.vocabulary is not None  # check_grammars_served
+                special = [tag for tag in (CALL_OPEN, CALL_CLOSE) if self.vocabulary.is_special(tag)]
+                grammar = cfg_grammar(markup_grammar(tools, parallel, prose=choice == "auto", special=special))
+            else:
+                grammar = json_grammar(tool_calls_schema(tools, parallel))
             check_grammar(grammar, self.vocabulary)
         except GrammarError as exc:
             raise bad_request(f"Invalid 'tools': {exc}", "tools") from None
-        return grammar
+        return ToolAnswer(grammar, markup)
 
     def sampling(
         self, body: SamplingFields, max_tokens: int, logprobs: bool, top_logprobs: int, grammar: str
@@ -471,10 +496,18 @@ def _template_call(call: dict[str, Any]) -> dict[str, Any]:
     return call
 
 
-def _answer(text: str, finish_reason: str | None, forced: bool) -> tuple[dict[str, Any], str | None]:
-    """The assistant's message and finish reason: a forced call's text becomes `tool_calls`, unless it was
-    cut short (then it stays content, as the model wrote it)."""
-    if forced and finish_reason == "stop":
+def _answer(text: str, finish_reason: str | None, tools: ToolAnswer | None) -> tuple[dict[str, Any], str | None]:
+    """The assistant's message and finish reason. Calls become `tool_calls`; a bare list of calls cut short
+    (by max_tokens or a stop string) stays content, as the model wrote it, as does a call left open."""
+    if tools is None:
+        return {"content": text}, finish_reason
+    if tools.markup:
+        prose, calls = split_calls(text)
+        if not calls:
+            return {"content": text}, finish_reason
+        finish = "tool_calls" if finish_reason == "stop" else finish_reason
+        return {"content": prose if prose.strip() else None, "tool_calls": calls}, finish
+    if finish_reason == "stop":
         with contextlib.suppress(ValueError, KeyError, TypeError):  # a stop string cut the calls short
             return {"content": None, "tool_calls": tool_calls(text)}, "tool_calls"
     return {"content": text}, finish_reason
@@ -673,7 +706,7 @@ def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, ke
         gateway.check_model(body.model)
         if body.top_logprobs and not body.logprobs:
             raise bad_request("'top_logprobs' needs 'logprobs' set to true.", "top_logprobs")
-        tool_grammar = gateway.tool_grammar(body)
+        tools_answer = gateway.tool_grammar(body)
         messages = [_template_message(m) for m in body.messages]
         tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
         try:
@@ -684,22 +717,25 @@ def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, ke
             raise bad_request("The messages render to an empty prompt.", "messages")
         max_tokens = gateway.check_prompt(ids, body.max_completion_tokens or body.max_tokens, "messages")
         top = body.top_logprobs or 0 if body.logprobs else 0
-        params = gateway.sampling(body, max_tokens, bool(body.logprobs), top, tool_grammar or gateway.grammar(body))
+        grammar = tools_answer.grammar if tools_answer else gateway.grammar(body)
+        params = gateway.sampling(body, max_tokens, bool(body.logprobs), top, grammar)
         choices = gateway.choices("chatcmpl", [ids], [params], body)
         created = int(time.time())
         gateway.limiter.acquire(key)
         if body.stream:
             started: set[int] = set()
-            held: dict[int, str] = {}  # a forced call's text, sent whole as tool_calls once it is complete
+            held: dict[int, str] = {}  # a bare list of calls, sent whole as tool_calls once it is complete
+            readers: dict[int, CallReader] = {}  # calls in the markup, each sent once it is whole
+            list_calls = tools_answer is not None and not tools_answer.markup
 
             def chunk(index: int, delta: Delta) -> dict | None:
                 first = index not in started
-                text = delta.text
-                if tool_grammar:
+                text, calls, finish = delta.text, [], delta.finish_reason
+                if list_calls:
                     held[index] = held.get(index, "") + text
                     text = ""
                     if delta.finish_reason:
-                        answer, finish = _answer(held.pop(index), delta.finish_reason, forced=True)
+                        answer, finish = _answer(held.pop(index), delta.finish_reason, tools_answer)
                         for i, call in enumerate(answer.get("tool_calls") or ()):
                             call["index"] = i  # a streamed call says which one it extends
                         if first:
@@ -709,16 +745,27 @@ def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, ke
                         return envelope.chunk(choice)
                     if not first:
                         return None
-                if not (first or text or delta.finish_reason or delta.tokens):
+                elif tools_answer is not None:
+                    reader = readers.setdefault(index, CallReader())
+                    before = reader.calls
+                    parts = [*reader.feed(text), *(reader.close() if finish else ())]
+                    text = "".join(p for p in parts if isinstance(p, str))
+                    whole = (p for p in parts if isinstance(p, dict))
+                    calls = [{**call, "index": before + n} for n, call in enumerate(whole)]  # which call it is
+                    if finish == "stop" and reader.calls:
+                        finish = "tool_calls"
+                if not (first or text or calls or finish or delta.tokens):
                     return None
                 content: dict[str, Any] = {}
                 if first:
                     content["role"] = "assistant"
                 if text or first:
-                    content["content"] = None if tool_grammar else text
+                    content["content"] = None if list_calls else text
+                if calls:
+                    content["tool_calls"] = calls
                 started.add(index)
-                logprobs = _chat_logprobs(delta.tokens).model_dump() if body.logprobs and not tool_grammar else None
-                choice = {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+                logprobs = _chat_logprobs(delta.tokens).model_dump() if body.logprobs and not list_calls else None
+                choice = {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": finish}
                 return envelope.chunk(choice)
 
             envelope = _Envelope(choices, "chat.completion.chunk", created, config.model_name, body.stream_options)
@@ -736,7 +783,7 @@ def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, ke
                     finish_reason=finish,
                 )
                 for index, g in enumerate(choices.generations)
-                for answer, finish in [_answer(g.text, g.finish_reason, bool(tool_grammar))]
+                for answer, finish in [_answer(g.text, g.finish_reason, tools_answer)]
             ],
             usage=choices.usage(),
         )

@@ -212,9 +212,9 @@ class ChatCompletionRequest(SamplingFields):
     tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None,
-        description="required or a named function: the answer is held to calls of the tools' schemas. auto "
-        "(the default with tools) needs a parser of the model's own call markup, which this gateway does not "
-        "have: a 400.",
+        description="auto (the default with tools): text or calls; required or a named function: calls only. "
+        "Calls are held to the tools' schemas, in the <tool_call> markup where the model's template writes it "
+        "or has no place for tools (auto needs that markup: a 400 otherwise).",
     )
     parallel_tool_calls: bool | None = Field(None, description="Several calls in one answer; default true.")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -12,14 +13,16 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-# Used when a model ships no template: the tools if any, role-tagged turns (with an assistant's calls),
-# then the assistant's cue.
+from cascadia.gateway.tools import CALL_OPEN, with_tools_in_text
+
+# Used when a model ships no template: role-tagged turns, then the assistant's cue (tools and calls reach
+# it as text, as for any template without a place for them)
 PLAIN_CHAT_TEMPLATE = (
-    "{% if tools %}tools: {{ tools | tojson }}\n{% endif %}"
-    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}"
-    "{% if message['tool_calls'] %} {{ message['tool_calls'] | tojson }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
+# what tells whether a template writes tools out
+_PROBE_TOOLS = [{"type": "function", "function": {"name": "probe_tool_8c1f", "parameters": {"type": "object"}}}]
 
 
 class TemplateFailed(ValueError):
@@ -120,8 +123,32 @@ class TextCodec:
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
+    @functools.cached_property
+    def takes_tools(self) -> bool:
+        """Whether the chat template writes tools out itself; when it does not, `render_chat` puts them, and
+        the calls and results of the conversation, into the messages' text."""
+        probe = [{"role": "user", "content": "hi"}]
+        try:
+            return self._render(probe, _PROBE_TOOLS) != self._render(probe, None)
+        except TemplateFailed:
+            return True  # a template that fails on tools has its own idea of them
+
+    @functools.cached_property
+    def knows_call_markup(self) -> bool:
+        """Whether calls from this model can be read in the `<tool_call>` markup: the template writes that
+        markup, or the gateway tells the model about it, and the tokenizer spells it as text (a special
+        token would be dropped from the answer's text)."""
+        special = {t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special}
+        return CALL_OPEN not in special and (not self.takes_tools or CALL_OPEN in self.chat_template)
+
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
-        """The prompt text of `messages`; `tools` (OpenAI's tool definitions) go to templates that take them."""
+        """The prompt text of `messages`; `tools` (OpenAI's tool definitions) go to templates that take them,
+        and into the text for the others."""
+        if not self.takes_tools and (tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)):
+            return self._render(with_tools_in_text(messages, tools), None)
+        return self._render(messages, tools)
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
         def raise_exception(message: str) -> None:

@@ -78,6 +78,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>")
+TOOL_CALL_TAGS = ("<tool_call>", "</tool_call>")  # the markup the gateway reads calls in
 
 
 @dataclass(frozen=True)
@@ -270,7 +271,8 @@ def _publish_layer(shape, i: int, tensors: dict[str, np.ndarray], s: str, p: str
 
 
 def byte_level_tokenizer(vocab_rows: int) -> dict[str, Any]:
-    """A byte-level BPE tokenizer.json: specials at 0-2, the 256 bytes at 3-258, reserved ids after."""
+    """A byte-level BPE tokenizer.json: specials at 0-2, the 256 bytes at 3-258, the tool-call tags at
+    259-260 (text, as chat models' tokenizers hold them), reserved ids after."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.tokenizers import AddedToken
 
@@ -282,8 +284,10 @@ def byte_level_tokenizer(vocab_rows: int) -> dict[str, Any]:
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    reserved = [f"<|reserved_{i}|>" for i in range(max(0, vocab_rows - len(vocab)))]
-    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in (*SPECIAL_TOKENS, *reserved)])
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL_TOKENS])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_CALL_TAGS])
+    reserved = [f"<|reserved_{i}|>" for i in range(max(0, vocab_rows - tokenizer.get_vocab_size()))]
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in reserved])
     return json.loads(tokenizer.to_str())
 
 
