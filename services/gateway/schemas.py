@@ -186,7 +186,7 @@ class FunctionDefinition(Strict):
     name: ToolName
     description: str | None = None
     parameters: dict[str, Any] | None = Field(None, description="JSON schema of the arguments; default any object.")
-    strict: bool | None = Field(None, description="Always held to when the call is forced.")
+    strict: bool | None = Field(None, description="Calls are always held to the parameters' schema.")
 
 
 class Tool(Strict):
