@@ -136,8 +136,12 @@ def expected_text(codec: TextCodec, ids: list[int]) -> str:
 
 
 def test_models_lists_the_served_model(live):
-    models = live.client().models.list()
+    client = live.client()
+    models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("other/model")
 
 
 def test_completion_from_token_ids_is_the_single_process_greedy_output(live, solo):

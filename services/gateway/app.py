@@ -642,6 +642,11 @@ def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, ke
     async def list_models(key: Key) -> ModelList:
         return ModelList(data=[ModelCard(id=config.model_name, created=0)])
 
+    @app.get("/v1/models/{model:path}", response_model=ModelCard, responses=error_responses(401, 404))
+    async def retrieve_model(model: str, key: Key) -> ModelCard:
+        gateway.check_model(model)
+        return ModelCard(id=config.model_name, created=0)
+
     @app.post("/v1/completions", response_model=CompletionResponse, responses={**errors, **both})
     async def completions(body: CompletionRequest, request: Request, key: Key) -> Any:
         gateway.check_model(body.model)
