@@ -56,6 +56,22 @@ def tiny(checkpoints: dict[str, Path]) -> Path:
     return checkpoints["tiny"]
 
 
+@pytest.fixture(scope="session")
+def tiny_codec(tiny: Path):
+    from cascadia.gateway.text import TextCodec
+
+    return TextCodec.from_directory(tiny)
+
+
+@pytest.fixture(scope="session")
+def tiny_vocabulary(tiny: Path):
+    """The tiny model's tokens as grammars see them."""
+    from cascadia.engine.grammar import GrammarVocabulary
+    from cascadia.model.config import load_shape
+
+    return GrammarVocabulary.from_model(tiny, load_shape(tiny).unpadded_vocab_size)
+
+
 @pytest.fixture
 def redis_server(tmp_path):
     binary = shutil.which("redis-server")

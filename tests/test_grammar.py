@@ -25,7 +25,6 @@ from cascadia.engine.sampling import SamplingParams
 from cascadia.engine.settings import EngineSettings
 from cascadia.engine.speculation import verified_tokens
 from cascadia.gateway.text import TextCodec
-from cascadia.gateway.tools import tool_calls, tool_calls_schema
 from cascadia.model.checkpoint import load_stage
 from cascadia.model.config import load_shape
 from cascadia.router.local import LocalFleet
@@ -71,13 +70,13 @@ GRAMMARS = {"json": json_grammar(SCHEMA), "regex": regex_grammar(CODE), "choice"
 
 
 @pytest.fixture(scope="module")
-def codec(tiny) -> TextCodec:
-    return TextCodec.from_directory(tiny)
+def codec(tiny_codec: TextCodec) -> TextCodec:
+    return tiny_codec
 
 
 @pytest.fixture(scope="module")
-def vocabulary(tiny) -> GrammarVocabulary:
-    return GrammarVocabulary.from_model(tiny, load_shape(tiny).unpadded_vocab_size)
+def vocabulary(tiny_vocabulary: GrammarVocabulary) -> GrammarVocabulary:
+    return tiny_vocabulary
 
 
 @pytest.mark.parametrize("kind", list(GRAMMARS))
@@ -239,34 +238,3 @@ def test_forced_tokens_are_the_text_the_grammar_allows_alone(codec, vocabulary):
     for token in codec.encode(', "colors": ["red"], "count": 7}'):
         constraint.advance(token)
     assert constraint.forced() == [] and constraint.matcher.is_accepting()
-
-
-@pytest.mark.parametrize("parallel", [False, True])
-def test_tool_call_answers_from_any_logits_are_calls_of_the_given_tools(codec, vocabulary, parallel):
-    closed = {"type": "object", "additionalProperties": False}
-    tools = {"get_time": {**closed, "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}
-    tools["ping"] = {**closed, "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}}
-    grammar = json_grammar(tool_calls_schema(tools, parallel))
-    stops = sorted(codec.stop_token_ids)
-    counts = set()
-    for seed in range(8):
-        rng = np.random.default_rng(seed)
-        constraint = vocabulary.constraint(grammar, stops)
-        tokens: list[int] = []
-        while len(tokens) < 400:
-            row = rng.normal(size=vocabulary.sampled_vocab).astype(np.float32) * 3
-            row[stops] += 4.0  # end as soon as the grammar allows
-            token = int(np.argmax(constraint.mask(row)))
-            constraint.advance(token)
-            if token in stops:
-                break
-            tokens.append(token)
-        calls = tool_calls(codec.decode(tokens))
-        counts.add(len(calls))
-        for call in calls:
-            arguments = json.loads(call["function"]["arguments"])
-            assert call["type"] == "function" and call["id"].startswith("call_")
-            assert call["function"]["name"] in tools and isinstance(arguments, dict)
-            if call["function"]["name"] == "get_time":
-                assert arguments["zone"] in {"UTC", "CET"}
-    assert counts == {1} if not parallel else min(counts) >= 1

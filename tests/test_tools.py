@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from cascadia.engine.grammar import GrammarVocabulary, cfg_grammar
+from cascadia.engine.grammar import GrammarVocabulary, cfg_grammar, json_grammar
 from cascadia.gateway.text import TextCodec
 from cascadia.gateway.tools import (
     CALL_CLOSE,
@@ -17,6 +17,8 @@ from cascadia.gateway.tools import (
     CallReader,
     markup_grammar,
     split_calls,
+    tool_calls,
+    tool_calls_schema,
     with_tools_in_text,
 )
 from cascadia.model.config import load_shape
@@ -27,16 +29,6 @@ TOOLS = {
     "get_time": {**CLOSED, "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]},
     "ping": {**CLOSED, "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]},
 }
-
-
-@pytest.fixture(scope="module")
-def codec(tiny) -> TextCodec:
-    return TextCodec.from_directory(tiny)
-
-
-@pytest.fixture(scope="module")
-def vocabulary(tiny) -> GrammarVocabulary:
-    return GrammarVocabulary.from_model(tiny, load_shape(tiny).unpadded_vocab_size)
 
 
 def block(name: str, arguments: dict) -> str:
@@ -100,9 +92,10 @@ def spelling(tiny) -> tuple[TextCodec, GrammarVocabulary]:
 
 
 @pytest.mark.parametrize("tags", ["tokens", "spelled"])
-def test_auto_allows_prose_or_calls_and_holds_whatever_follows_an_opening_tag(codec, vocabulary, spelling, tags):
-    if tags == "spelled":
-        codec, vocabulary = spelling
+def test_auto_allows_prose_or_calls_and_holds_whatever_follows_an_opening_tag(
+    tiny_codec, tiny_vocabulary, spelling, tags
+):
+    codec, vocabulary = spelling if tags == "spelled" else (tiny_codec, tiny_vocabulary)
     special = [tag for tag in SPECIAL if vocabulary.is_special(tag)]
     assert special == ([] if tags == "spelled" else list(SPECIAL))
     assert len(codec.encode(CALL_OPEN)) == (1 if special else len(CALL_OPEN))
@@ -124,27 +117,47 @@ def test_auto_allows_prose_or_calls_and_holds_whatever_follows_an_opening_tag(co
     assert _accepts(vocabulary, codec, required, block("get_time", {"zone": "UTC"}))
 
 
+def answer_from_random_logits(
+    vocabulary: GrammarVocabulary, grammar: str, stops: list[int], seed: int, push
+) -> list[int]:
+    """Tokens chosen greedily from random rows under the grammar; `push(row, tokens)` leans each row first."""
+    rng = np.random.default_rng(seed)
+    constraint = vocabulary.constraint(grammar, stops)
+    tokens: list[int] = []
+    while len(tokens) < 400:
+        row = rng.normal(size=vocabulary.sampled_vocab).astype(np.float32) * 3
+        push(row, tokens)
+        token = int(np.argmax(constraint.mask(row)))
+        constraint.advance(token)
+        if token in stops:
+            break
+        tokens.append(token)
+    return tokens
+
+
+def check_call(call: dict) -> None:
+    arguments = json.loads(call["function"]["arguments"])
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    if call["function"]["name"] == "get_time":
+        assert arguments["zone"] in {"UTC", "CET"}
+    else:
+        assert call["function"]["name"] == "ping" and 0 <= arguments["n"] <= 9
+
+
 @pytest.mark.parametrize("prose", [True, False])
-def test_answers_from_any_logits_split_into_prose_and_calls_of_the_given_tools(codec, vocabulary, prose):
+def test_answers_from_any_logits_split_into_prose_and_calls_of_the_given_tools(tiny_codec, tiny_vocabulary, prose):
     grammar = cfg_grammar(markup_grammar(TOOLS, parallel=True, prose=prose, special=SPECIAL))
-    stops = sorted(codec.stop_token_ids)
-    tag = codec.tokenizer.token_to_id(CALL_OPEN)
+    stops = sorted(tiny_codec.stop_token_ids)
+    tag = tiny_codec.tokenizer.token_to_id(CALL_OPEN)
     assert tag is not None  # the synthetic tokenizer holds the tags as text tokens, as chat models' do
     seen = {"prose": 0, "calls": 0}
     for seed in range(12):
-        rng = np.random.default_rng(seed)
-        constraint = vocabulary.constraint(grammar, stops)
-        tokens: list[int] = []
-        while len(tokens) < 300:
-            row = rng.normal(size=vocabulary.sampled_vocab).astype(np.float32) * 3
+
+        def push(row: np.ndarray, tokens: list[int], seed: int = seed) -> None:
             row[stops] += 2.0 + len(tokens) / 10  # end soon once the grammar allows
             row[tag] += 6.0 if seed % 2 else -50.0  # half of the answers are pushed to call
-            token = int(np.argmax(constraint.mask(row)))
-            constraint.advance(token)
-            if token in stops:
-                break
-            tokens.append(token)
-        text = codec.decode(tokens)
+
+        text = tiny_codec.decode(answer_from_random_logits(tiny_vocabulary, grammar, stops, seed, push))
         content, calls = split_calls(text)
         if not calls:
             assert prose and CALL_OPEN not in text and content == text
@@ -153,15 +166,30 @@ def test_answers_from_any_logits_split_into_prose_and_calls_of_the_given_tools(c
         seen["calls"] += 1
         assert prose or content == ""
         for call in calls:
-            arguments = json.loads(call["function"]["arguments"])
-            if call["function"]["name"] == "get_time":
-                assert arguments["zone"] in {"UTC", "CET"}
-            else:
-                assert call["function"]["name"] == "ping" and 0 <= arguments["n"] <= 9
+            check_call(call)
     assert seen["calls"] and (seen["prose"] or not prose)
 
 
-def test_a_template_without_tools_gets_them_and_the_calls_and_results_as_text(codec):
+@pytest.mark.parametrize("parallel", [False, True])
+def test_bare_lists_of_calls_from_any_logits_are_calls_of_the_given_tools(tiny_codec, tiny_vocabulary, parallel):
+    """What a model whose template writes calls its own way is held to under tool_choice required."""
+    grammar = json_grammar(tool_calls_schema(TOOLS, parallel))
+    stops = sorted(tiny_codec.stop_token_ids)
+    counts = set()
+    for seed in range(8):
+
+        def push(row: np.ndarray, tokens: list[int]) -> None:
+            row[stops] += 4.0  # end as soon as the grammar allows
+
+        calls = tool_calls(tiny_codec.decode(answer_from_random_logits(tiny_vocabulary, grammar, stops, seed, push)))
+        counts.add(len(calls))
+        for call in calls:
+            check_call(call)
+    assert counts == {1} if not parallel else min(counts) >= 1
+
+
+def test_a_template_without_tools_gets_them_and_the_calls_and_results_as_text(tiny_codec):
+    codec = tiny_codec
     assert not codec.takes_tools and codec.knows_call_markup
     tools = [{"type": "function", "function": {"name": "ping", "parameters": TOOLS["ping"]}}]
     call = {"id": "call_1", "type": "function", "function": {"name": "ping", "arguments": {"n": 2}}}
@@ -183,7 +211,7 @@ def test_a_template_without_tools_gets_them_and_the_calls_and_results_as_text(co
     assert codec.render_chat(messages[:2]) == "system: Be brief.\nuser: Ping twice.\nassistant:"
 
 
-def test_a_template_that_writes_tools_its_own_way_is_left_to_it(tiny, tmp_path):
+def test_a_template_that_writes_tools_its_own_way_is_left_to_it(tiny):
     own = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     own += "{% for t in tools or [] %}[{{ t['function']['name'] }}]{% endfor %}"
     codec = TextCodec.from_directory(tiny)
