@@ -470,6 +470,14 @@ def router(
     draft_rows: Annotated[
         int, typer.Option(min=0, help="Rows of streams and drafts before speculation stops (0: --rows-per-group).")
     ] = 0,
+    keep_finished: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Finished streams whose state the stages keep for a prompt that starts the same way, such as "
+            "a conversation's next turn (0: none).",
+        ),
+    ] = 8,
 ) -> None:
     """Admission, pipeline groups, sampling parameters and speculative rounds over a chain of shards."""
     import logging
@@ -496,6 +504,7 @@ def router(
         mtp_draft,
         frames_in_flight,
         draft_rows,
+        keep_finished,
     )
     driver = PipelineDriver(addrs, collect, config, frame_timeout, _proposer(draft) if max_draft else None)
 

@@ -74,6 +74,25 @@ def test_rewind_beyond_the_slack_is_refused_without_changing_state(engine):
     engine.close("far")
 
 
+def test_a_stream_taking_over_anothers_state_continues_as_if_it_had_been_fed_the_same_tokens(engine):
+    engine.open("old")
+    first = feed(engine, "old", IDS, 8)
+    engine.open("busy")
+    with pytest.raises(StreamError, match="'busy' is already open"):
+        engine.adopt("old", "busy", 40)
+    with pytest.raises(ValueError, match="rewind slack"):
+        engine.adopt("old", "new", 0)
+    assert engine.streams == ["old", "busy"] and engine.position("old") == len(IDS)  # nothing changed
+    engine.adopt("old", "new", len(IDS) - 20)
+    assert sorted(engine.streams) == ["busy", "new"] and engine.position("new") == len(IDS) - 20
+    again = feed(engine, "new", IDS[-20:], 5, start=len(IDS) - 20)
+    np.testing.assert_allclose(again, first[-20:], rtol=0, atol=2e-5 * np.abs(first).max())
+    with pytest.raises(StreamError, match="'old' is not open"):
+        engine.adopt("old", "other", 1)
+    engine.close("new")
+    engine.close("busy")
+
+
 def test_rewinds_in_a_row_are_bounded_by_the_furthest_position_fed(engine):
     """Two rewinds within the slack each but not together would read ring rows later positions overwrote."""
     engine.open("twice")

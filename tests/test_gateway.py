@@ -453,6 +453,27 @@ def test_required_tool_calls_are_held_to_the_tools_schemas_exactly_as_the_engine
     assert chunks[-1].choices[0].finish_reason == choice.finish_reason
 
 
+def test_a_conversations_next_turn_takes_over_the_last_turns_state_and_answers_as_the_engine_does(live, solo):
+    client = live.client()
+    messages = [{"role": "user", "content": "Say something about the sea, in a few words."}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    history = [
+        *messages,
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And about the sky?"},
+    ]
+    second = client.chat.completions.create(model=MODEL, messages=history, max_tokens=10, temperature=0)
+    before, prompt = live.codec.encode_chat(messages), live.codec.encode_chat(history)
+    assert prompt[: len(before)] == before
+    assert second.choices[0].message.content == expected_text(live.codec, solo(prompt, 10))
+    # the first turn's prompt at least (and as much of its answer as the rendered history spells the same)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert len(before) <= cached < len(prompt) == second.usage.prompt_tokens
+    assert _router_stats(live).reused_positions >= cached
+    metrics = httpx.get(live.base + "/metrics").text
+    assert float(re.search(r"cascadia_cached_prompt_tokens_total ([0-9.e+]+)", metrics).group(1)) >= cached
+
+
 def test_a_named_tool_without_parallel_calls_gives_one_call_of_it_and_results_round_trip(live, solo):
     client = live.client()
     messages = [{"role": "user", "content": "Time?"}]
@@ -716,18 +737,26 @@ def _shard_open_streams(live) -> list[int]:
     return asyncio.run(ask())
 
 
-def _router_active(live) -> int:
+def _router_stats(live):
     async def ask():
         async with grpc.aio.insecure_channel(live.router) as channel:
-            return (await rpc.RouterStub(channel).Stats(pb.StatsRequest(), timeout=5)).active_streams
+            return await rpc.RouterStub(channel).Stats(pb.StatsRequest(), timeout=5)
 
     return asyncio.run(ask())
 
 
+def _router_active(live) -> int:
+    return _router_stats(live).active_streams
+
+
 def _wait_until_free(live, timeout: float = 15.0) -> None:
+    """No stream running; the stages hold only the finished streams the router keeps."""
     deadline = time.monotonic() + timeout
-    while _router_active(live) or any(_shard_open_streams(live)):
-        assert time.monotonic() < deadline, f"router {_router_active(live)}, shards {_shard_open_streams(live)}"
+    while True:
+        router, shards = _router_stats(live), _shard_open_streams(live)
+        if router.active_streams == 0 and shards == [router.kept_streams] * len(shards):
+            return
+        assert time.monotonic() < deadline, f"router {router}, shards {shards}"
         time.sleep(0.2)
 
 
@@ -754,8 +783,9 @@ def test_a_client_that_disconnects_frees_its_streams_on_every_stage(live, stream
                 first = next(lines)
                 assert first.startswith('data: {"id"'), first
                 _wait_until_active(live, n)
+                kept = _router_stats(live).kept_streams
                 deadline = time.monotonic() + 15  # the opens travel down the pipeline with the first frames
-                while _shard_open_streams(live) != [n, n]:
+                while _shard_open_streams(live) != [n + kept] * 2:
                     assert time.monotonic() < deadline, _shard_open_streams(live)
                     time.sleep(0.05)
                 assert _router_active(live) == n

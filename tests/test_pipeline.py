@@ -253,7 +253,7 @@ def test_a_killed_shard_fails_its_requests_within_seconds_naming_the_stage(fleet
 def test_router_process_streams_tokens_cancels_and_reports_stats(fleet_of, solo, tmp_path):
     fleet = fleet_of(2)
     port = free_port()
-    fleet.start_router(port, tmp_path / "router.log", "--max-queue", "50")
+    fleet.start_router(port, tmp_path / "router.log", "--max-queue", "50", "--keep-finished", "0")
     request = prompts(1, seed=9)[0]
 
     async def go():
@@ -301,6 +301,75 @@ def test_router_process_streams_tokens_cancels_and_reports_stats(fleet_of, solo,
     assert outside.code() == grpc.StatusCode.INVALID_ARGUMENT and "outside the vocabulary" in outside.details()
     held = [(s.open_streams, s.state_bytes, s.held_state_bytes) for s in shard_stats]
     assert held == [(0, 0, 0)] * len(fleet.stage_addrs)
+
+
+def test_a_stage_checks_a_stream_that_takes_over_a_finished_ones_state():
+    from cascadia.shard.service import FrameRejected, check_frame
+
+    def frame(resume_from: str, position: int, start: int, mtp: bool = False):
+        out = pb.Frame(frame_id=1, token_ids=[5])
+        out.opens.append(pb.StreamOpen(stream="new", resume_from=resume_from, position=position, mtp=mtp))
+        out.rows.append(pb.RowBlock(stream="new", start=start, length=1, wants_token=True))
+        return out
+
+    assert check_frame(frame("old", 6, 6), {"old": 9, "other": 3}, True, 64, 512) == {"new": 7, "other": 3}
+    with pytest.raises(FrameRejected, match="resumes unknown stream 'gone'"):
+        check_frame(frame("gone", 6, 6), {"old": 9}, True, 64, 512)
+    with pytest.raises(FrameRejected, match="cannot resume 'old' at 10"):
+        check_frame(frame("old", 10, 10), {"old": 9}, True, 64, 512)
+    with pytest.raises(FrameRejected, match="position gap"):
+        check_frame(frame("old", 6, 0), {"old": 9}, True, 64, 512)
+    with pytest.raises(FrameRejected, match="MTP head follows are not resumed"):
+        check_frame(frame("old", 6, 6), {"old": 9}, True, 64, 512, mtp_depths=1, mtp_streams=frozenset({"old"}))
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_later_prompts_take_over_a_finished_streams_state_and_give_the_single_process_ids(fleet_of, solo, speculate):
+    """A conversation's next turn starts with the last one's prompt and answer: its stream takes over
+    the finished stream's positions (stepped back where the new prompt leaves them) and computes only
+    the rest, and the ids are still exactly the single-process ones."""
+    from cascadia.draft.client import LocalProposer
+
+    fleet = fleet_of(2)
+    config = SchedulerConfig(stages=2, rows_per_group=16, prefill_window=16)
+    prompt = tuple(int(t) for t in np.random.default_rng(3).integers(3, 500, size=40))
+
+    async def go():
+        proposer = LocalProposer() if speculate else None
+        driver = PipelineDriver(
+            fleet.stage_addrs, fleet.reply_addr, config.speculating(4) if speculate else config, proposer=proposer
+        )
+        await driver.start()
+        try:
+            await driver.wait_ready(timeout=120)
+            turns = [Request("turn1", prompt + prompt[:20], SamplingParams(max_tokens=12))]
+            done = [await driver.generate(turns[0])]
+            answer = tuple(done[0].tokens)
+            # the whole last turn and more; then the same turn cut short of its answer's end, and one that
+            # shares only the first prompt (stepped back further than the rewind slack allows: computed anew)
+            for rid, tokens in [
+                ("turn2", turns[0].prompt + answer[:-1] + (7, 8, 9)),
+                ("turn3", turns[0].prompt + answer[:-1] + (7, 8, 9)[:1] + (44,)),
+                ("turn4", (*prompt, 5)),
+            ]:
+                turns.append(Request(rid, tokens, SamplingParams(max_tokens=8)))
+                done.append(await driver.generate(turns[-1]))
+            cached = [p.events.get_nowait()[0].cached for p in done]
+            open_streams = [s.open_streams for s in await driver.stage_stats()]
+            return turns, done, cached, driver.scheduler.reused_positions, open_streams, driver.spec_stats
+        finally:
+            await driver.stop()
+
+    turns, done, cached, reused, open_streams, spec = asyncio.run(go())
+    assert [p.tokens for p in done] == [solo(r) for r in turns]
+    fed = len(turns[0].prompt) + len(done[0].tokens) - 1
+    turn2_fed = len(turns[1].prompt) + len(done[1].tokens) - 1
+    assert cached == [0, fed, len(turns[1].prompt) - 2, 0]  # turn3 diverges at turn2's prompt's last token
+    assert turn2_fed - cached[2] <= 32  # within the stages' rewind slack
+    assert reused == fed + cached[2]
+    assert open_streams == [2, 2]  # turn3 and turn4 are kept; turn1 and turn2 were taken over
+    if speculate:
+        assert spec["rounds"] > 0
 
 
 def test_a_stream_past_its_context_budget_fails_naming_the_stage_and_the_chain_keeps_serving(fleet_of, solo):

@@ -212,11 +212,11 @@ def test_a_speculating_schedule_drafts_as_long_as_a_lone_streams_block_has_room_
 
 def test_fleet_limits_come_from_the_first_last_and_tightest_stages_and_refuse_what_does_not_fit():
     stages = [
-        Stats(vocab_size=512, sampled_vocab=500, context=0, grammars=False),
-        Stats(vocab_size=512, sampled_vocab=500, context=64, grammars=True),
+        Stats(vocab_size=512, sampled_vocab=500, context=0, grammars=False, rewind_slack=32),
+        Stats(vocab_size=512, sampled_vocab=500, context=64, grammars=True, rewind_slack=16),
     ]
     limits = fleet_limits(stages)
-    assert limits == FleetLimits(vocab=512, sampled_vocab=500, context=64, grammars=True)
+    assert limits == FleetLimits(vocab=512, sampled_vocab=500, context=64, grammars=True, rewind_slack=16)
     check_request((1, 511), SamplingParams(max_tokens=62, logit_bias=((499, 5.0),)), limits)
     with pytest.raises(ValueError, match="token id 512 is outside the vocabulary"):
         check_request((1, 512), SamplingParams(), limits)
@@ -239,3 +239,107 @@ def test_a_grammar_is_refused_when_it_does_not_parse_or_the_last_stage_cannot_ma
             check_request((1,), replace(good, grammar=unparsable), UNREPORTED)
     with pytest.raises(ValueError, match="a grammar needs stop_ids"):
         SamplingParams(grammar=good.grammar)
+
+
+def _finish(s: Scheduler, rid: str, tokens: list[int]) -> None:
+    """Run `rid` (already submitted) to its end, sampling `tokens` one frame after another."""
+    for token in tokens:
+        (frame,) = s.next_frames()
+        assert any(r.stream == rid for r in frame.rows)
+        events = s.on_frame_done(frame.id, {r.stream: token for r in frame.rows if r.wants_token})
+    assert events[-1].finished
+
+
+def test_a_finished_streams_state_serves_a_prompt_that_starts_with_its_tokens():
+    s = Scheduler(SchedulerConfig(stages=1, rows_per_group=64, prefill_window=64))
+    s.set_chain_ready(True)
+    s.rewind_slack = 4
+    first = Request("turn1", (1, 2, 3, 4), SamplingParams(max_tokens=3))
+    s.submit(first)
+    _finish(s, "turn1", [7, 8, 9])
+    assert s.kept("turn1") and s.kept_streams == 1 and s.active == 0
+    # fed: the prompt and every sampled token but the last, which was never fed
+    follow = Request("turn2", (1, 2, 3, 4, 7, 8, 9, 5, 6), SamplingParams(max_tokens=2))
+    s.submit(follow)
+    (frame,) = s.next_frames()
+    (row,) = frame.rows
+    assert (row.stream, row.opens, row.resume_from, row.start, row.tokens) == ("turn2", True, "turn1", 6, (9, 5, 6))
+    assert not s.kept("turn1") and s.reused_positions == 6 and s.take_dropped() == []
+    events = s.on_frame_done(frame.id, {"turn2": 11})
+    assert events[0].cached == 6
+    (frame,) = s.next_frames()
+    assert frame.rows[0].start == 9 and not frame.rows[0].opens
+    assert s.on_frame_done(frame.id, {"turn2": 12})[0].cached == 0
+
+
+def test_a_kept_stream_serves_only_within_the_rewind_slack_and_the_prompts_last_token_is_fed_again():
+    s = Scheduler(SchedulerConfig(stages=1, rows_per_group=64, prefill_window=64))
+    s.set_chain_ready(True)
+    s.submit(Request("a", tuple(range(20)), SamplingParams(max_tokens=1)))
+    _finish(s, "a", [99])  # holds positions 0-19
+    s.rewind_slack = 2
+    s.submit(Request("far", (*range(17), 500), SamplingParams(max_tokens=1)))  # 17 shared: 3 back
+    (frame,) = s.next_frames()
+    assert frame.rows[0].resume_from == "" and frame.rows[0].start == 0 and s.kept("a")
+    s.on_frame_done(frame.id, {"far": 1})
+    s.submit(Request("same", tuple(range(20)), SamplingParams(max_tokens=1)))  # the whole prompt is held
+    (frame,) = s.next_frames()
+    assert (frame.rows[0].resume_from, frame.rows[0].start, frame.rows[0].tokens) == ("a", 19, (19,))
+
+
+def test_kept_streams_give_way_oldest_first_and_are_given_up_when_a_frame_fails():
+    s = Scheduler(SchedulerConfig(stages=1, max_streams=3, keep_finished=2))
+    s.set_chain_ready(True)
+    for i in range(3):
+        s.submit(request(f"k{i}", 2, max_tokens=1))
+        _finish(s, f"k{i}", [5])
+    assert [s.kept(f"k{i}") for i in range(3)] == [False, True, True]
+    assert s.take_dropped() == ["k0"]
+    for rid in ("new1", "new2"):  # prompts no kept stream starts
+        s.submit(Request(rid, (50, 51, 52), SamplingParams()))
+    frames = s.next_frames()
+    assert s.active == 2 and s.take_dropped() == ["k1"]  # two active and one kept fill max_streams
+    s.on_frame_failed(frames[0].id)
+    assert s.kept_streams == 0 and s.take_dropped() == ["k2"]
+    with pytest.raises(ValueError, match="keep_finished"):
+        SchedulerConfig(stages=1, keep_finished=-1)
+
+
+def test_a_stream_taking_over_a_kept_one_and_cancelled_before_it_opens_frees_the_kept_state():
+    s = Scheduler(SchedulerConfig(stages=1, rows_per_group=8))
+    s.set_chain_ready(True)
+    s.submit(request("a", 4, max_tokens=1))
+    _finish(s, "a", [5])
+    s.rewind_slack = 8
+    s.submit(Request("b", (10, 11, 12, 13, 6), SamplingParams()))
+    s._admit()  # admitted, not yet in a frame
+    assert not s.kept("a")
+    assert s.cancel("b") is False and s.take_dropped() == ["a"]
+
+
+def test_streams_the_mtp_head_follows_and_scored_prompts_neither_keep_nor_take_over_state():
+    s = Scheduler(SchedulerConfig(stages=1, rows_per_group=8, max_draft=2, mtp_draft=1))
+    s.set_chain_ready(True)
+    s.rewind_slack = 8
+    s.submit(request("mtp", 2, max_tokens=1))
+    _finish(s, "mtp", [5])
+    assert not s.kept("mtp")
+    plain = Scheduler(SchedulerConfig(stages=1, rows_per_group=8))
+    plain.set_chain_ready(True)
+    plain.rewind_slack = 8
+    plain.submit(request("a", 2, max_tokens=1))
+    _finish(plain, "a", [5])
+    plain.submit(Request("scored", (10, 11, 12), SamplingParams(), score_prompt=True))
+    (frame,) = plain.next_frames()
+    assert frame.rows[0].resume_from == "" and plain.kept("a")
+
+
+def test_a_name_still_kept_is_refused_by_the_scheduler():
+    s = Scheduler(SchedulerConfig(stages=1))
+    s.set_chain_ready(True)
+    s.submit(request("a", 2, max_tokens=1))
+    _finish(s, "a", [5])
+    with pytest.raises(ValueError, match="already known"):
+        s.submit(request("a", 2))
+    s.drop_kept("a")
+    s.submit(request("a", 2))

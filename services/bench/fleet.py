@@ -96,8 +96,12 @@ async def _run_fleets(fleets: dict[int, LocalFleet], config: FleetBenchConfig, c
     vocab = load_shape(config.model).unpadded_vocab_size
     drivers: dict[int, PipelineDriver] = {}
     for shards, fleet in fleets.items():
-        sched = SchedulerConfig(
-            stages=shards, rows_per_group=group, prefill_window=group, frames_in_flight=config.frames_in_flight
+        sched = SchedulerConfig(  # every round computes its prompts: no state is kept from earlier rounds
+            stages=shards,
+            rows_per_group=group,
+            prefill_window=group,
+            frames_in_flight=config.frames_in_flight,
+            keep_finished=0,
         )
         drivers[shards] = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, sched, frame_timeout=600)
     try:

@@ -214,7 +214,8 @@ def _run_fleet(config: PeerBenchConfig, prompt_ids: list[int], console: Console,
     name = f"fleet-{config.shards}"
 
     async def go() -> dict[str, Any]:
-        driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, fleet.scheduler_config(), 600)
+        # every round computes its prompts (the same each round): no state is kept from earlier rounds
+        driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, fleet.scheduler_config(keep_finished=0), 600)
         await driver.start()
         try:
             with console.status(f"starting {config.shards} shards"):

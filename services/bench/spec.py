@@ -198,7 +198,8 @@ def run_spec_bench(config: SpecBenchConfig, console: Console) -> dict[str, Any]:
     codec = TextCodec.from_model(config.model)
     fleet = LocalFleet(config.model, config.shards, "f32")
     # the schedule `cascadia up` gives this fleet, so the figures are what its users get
-    overrides: dict[str, int] = {"max_streams": config.streams}
+    # both modes run the same prompts: each run computes its own, none takes over the other's state
+    overrides: dict[str, int] = {"max_streams": config.streams, "keep_finished": 0}
     if config.draft_rows is not None:
         overrides["draft_rows"] = config.draft_rows
     scheduler = fleet.scheduler_config(**overrides).speculating(config.max_draft)

@@ -541,6 +541,17 @@ class StageEngine:
     def rewind(self, stream: Hashable, position: int) -> None:
         self._stream(stream).rewind(position)
 
+    def adopt(self, source: Hashable, stream: Hashable, position: int) -> None:
+        """`stream` takes over `source`'s state, stepped back to `position` (within the rewind slack):
+        a finished stream's positions serve a later prompt that starts with the same tokens. `source`
+        is gone afterwards; on an error nothing has changed."""
+        if stream in self._streams:
+            raise StreamError(f"stream {stream!r} is already open")
+        state = self._stream(source)
+        state.rewind(position)
+        self._streams[stream] = self._streams.pop(source)
+        self._far_stacks.clear()  # the lists of streams change, as on open and close
+
     def position(self, stream: Hashable) -> int:
         return self._stream(stream).position
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 from cascadia.engine.sampling import SamplingParams
 from cascadia.gateway.generation import Delta, Generation
-from cascadia.gateway.schemas import Usage
+from cascadia.gateway.schemas import PromptTokensDetails, Usage
 
 _ENDED = object()
 
@@ -28,10 +28,20 @@ class Choices:
     generations: list[Generation]
 
     def usage(self) -> Usage:
-        """Each prompt counts once, however many choices it had; every generated token counts."""
+        """Each prompt counts once, however many choices it had (and its cached tokens as its best choice's);
+        every generated token counts."""
         prompt = sum(len(p) for p in self.prompts)
         completion = sum(g.completion_tokens for g in self.generations)
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        n = len(self.generations) // len(self.prompts)
+        cached = sum(
+            max(g.cached_tokens for g in self.generations[i * n : (i + 1) * n]) for i in range(len(self.prompts))
+        )
+        return Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
 
     def abort(self) -> None:
         for generation in self.generations:

@@ -43,6 +43,7 @@ class Generation:
     score_prompt: bool = False  # each prompt token's log-prob given the ones before it, from the first event
     arrived: float = field(default_factory=time.perf_counter)
     completion_tokens: int = 0
+    cached_tokens: int = 0  # the prompt's first tokens a finished stream's state held on the fleet
     text: str = ""
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -72,6 +73,8 @@ class Generation:
                 now = time.perf_counter()
                 if last is None:
                     self.metrics.ttft.observe(now - self.arrived)
+                    self.cached_tokens = event.cached_tokens
+                    self.metrics.cached_prompt_tokens.inc(event.cached_tokens)
                     self.prompt_logprobs = [
                         self._token_logprob(token, scored.logprob, scored.top)
                         for token, scored in zip(self.prompt[1:], event.prompt, strict=False)

@@ -20,6 +20,11 @@ class GatewayMetrics:
         )
         self.prompt_tokens = Counter("cascadia_prompt_tokens", "Prompt tokens of served requests.", registry=r)
         self.completion_tokens = Counter("cascadia_completion_tokens", "Tokens generated.", registry=r)
+        self.cached_prompt_tokens = Counter(
+            "cascadia_cached_prompt_tokens",
+            "Prompt tokens whose positions a finished stream's state held (not computed again).",
+            registry=r,
+        )
         self.ttft = Histogram(
             "cascadia_time_to_first_token_seconds",
             "From request to its first token.",

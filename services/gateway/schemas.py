@@ -219,10 +219,17 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = Field(None, description="Several calls in one answer; default true.")
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(
+        0, description="Prompt tokens whose positions a finished stream's state held, not computed again."
+    )
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class CompletionLogprobs(BaseModel):

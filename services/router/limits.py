@@ -18,6 +18,7 @@ class FleetLimits:
     sampled_vocab: int  # tokens the last stage scores
     context: int  # positions of a stream every stage holds
     grammars: bool = True  # the last stage can hold a stream to a grammar
+    rewind_slack: int = 0  # positions every stage can step a stream back behind the furthest it was fed
 
 
 UNREPORTED = FleetLimits(0, 0, 0)  # no stage answered yet: only what needs no stage is checked
@@ -27,7 +28,11 @@ def fleet_limits(stage_stats: Sequence) -> FleetLimits:
     """From every stage's `ShardStats`, first stage first."""
     contexts = [s.context for s in stage_stats if s.context]
     return FleetLimits(
-        stage_stats[0].vocab_size, stage_stats[-1].sampled_vocab, min(contexts, default=0), stage_stats[-1].grammars
+        stage_stats[0].vocab_size,
+        stage_stats[-1].sampled_vocab,
+        min(contexts, default=0),
+        stage_stats[-1].grammars,
+        min(s.rewind_slack for s in stage_stats),
     )
 
 

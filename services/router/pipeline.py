@@ -153,6 +153,9 @@ class PipelineDriver:
             self.limits = fleet_limits(await self.stage_stats(timeout))
         if self.limits is None:
             return
+        self.scheduler.rewind_slack = self.limits.rewind_slack
+        self.scheduler.drop_all_kept()  # a stage that came back has lost them
+        self._closes.extend(self.scheduler.take_dropped())
         for request in self.scheduler.waiting():
             try:
                 check_request(request.prompt, request.params, self.limits)
@@ -204,6 +207,9 @@ class PipelineDriver:
         if self.limits is None:  # before the chain was first ready: ask the stages that answer already
             await self.learn_limits(timeout=1.0)
         check_request(request.prompt, request.params, self.limits or UNREPORTED)
+        if self.scheduler.kept(request.id):  # the name comes back: its old state goes before it opens again
+            self.scheduler.drop_kept(request.id)
+            self._submit(pb.Frame(frame_id=CLOSE_ONLY_FRAME, closes=self._take_closes()), None)
         pending = _Pending(request)
         self.scheduler.submit(request)
         self._pending[request.id] = pending
@@ -224,6 +230,7 @@ class PipelineDriver:
     async def cancel(self, request_id: str) -> None:
         if self.scheduler.cancel(request_id):
             self._closes.append(request_id)
+        self._closes.extend(self.scheduler.take_dropped())
         if self.proposer is not None:
             self._spawn(self.proposer.forget(request_id, share=False))
         pending = self._pending.get(request_id)
@@ -286,7 +293,8 @@ class PipelineDriver:
         pending.logprobs.append(sampled.logprob)
         pending.events.put_nowait((event, sampled))
         if event.finished:
-            self._closes.append(event.stream)
+            if not self.scheduler.kept(event.stream):
+                self._closes.append(event.stream)
             pending.done.set()
             pending.events.put_nowait(None)
             if self.proposer is not None:
@@ -319,6 +327,7 @@ class PipelineDriver:
                 chosen, chosen_source = choose_draft(candidates, self.spec_by_source)
                 self.scheduler.set_draft(w.stream, chosen, chosen_source)
         frames = self.scheduler.next_frames()
+        self._closes.extend(self.scheduler.take_dropped())
         if not frames and self._closes:
             self._submit(pb.Frame(frame_id=CLOSE_ONLY_FRAME, closes=self._take_closes()), None)
         for frame in frames:
@@ -343,7 +352,14 @@ class PipelineDriver:
                 request = self._pending[row.stream].request
                 sampling = sampling_message(request.params)
                 out.opens.append(
-                    pb.StreamOpen(stream=row.stream, sampling=sampling, mtp=row.mtp, score_prompt=request.score_prompt)
+                    pb.StreamOpen(
+                        stream=row.stream,
+                        sampling=sampling,
+                        mtp=row.mtp,
+                        score_prompt=request.score_prompt,
+                        resume_from=row.resume_from,
+                        position=row.start if row.resume_from else 0,
+                    )
                 )
             out.rows.append(
                 pb.RowBlock(

@@ -42,6 +42,10 @@ class SchedulerConfig:
     # on one machine takes large groups for throughput, yet a verify block is near free only in a
     # batch as small as a pipeline group's default
     draft_rows: int = 0
+    # finished streams whose state the stages keep, so that a prompt starting with one's tokens (the
+    # next turn of a conversation) takes over its positions instead of computing them again; they
+    # count against max_streams and give way, oldest first, to new streams (0: close at once)
+    keep_finished: int = 8
 
     @property
     def in_flight(self) -> int:
@@ -68,7 +72,7 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
-        for name in ("frames_in_flight", "draft_rows"):
+        for name in ("frames_in_flight", "draft_rows", "keep_finished"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.max_draft < self.rows_per_group:
@@ -102,6 +106,7 @@ class Row:
     draft: tuple[int, ...] = ()  # drafted tokens: the last len(draft) of `tokens`, verified on the last stage
     mtp: bool = False  # with `opens`: the last stage's MTP head follows this stream
     propose: int = 0  # MTP tokens the last stage drafts after this row's token
+    resume_from: RequestId = ""  # with `opens`: the finished stream whose state the stream takes over at `start`
 
 
 @dataclass(frozen=True)
@@ -120,6 +125,7 @@ class Emitted:
     stream: RequestId
     token: int
     finished: Literal["stop", "length"] | None
+    cached: int = 0  # on a stream's first token: the prompt positions it took over from a kept stream
 
 
 PROBE_EVERY = 16  # tokens a stream whose drafts do not pay generates between one-token probes
@@ -142,6 +148,9 @@ class _Stream:
     drafted_at: int = -PROBE_EVERY
     mtp: bool = False  # the last stage's MTP head follows the stream
     stage_drafts: tuple[tuple[str, tuple[int, ...]], ...] = ()  # the last stage's continuations by source
+    reached: int = 0  # the furthest position sent (rejected drafts' rows included)
+    resume_from: RequestId = ""  # the finished stream whose state it takes over when it opens
+    reused: int = 0  # the prompt positions that state holds
 
     @property
     def prefilling(self) -> bool:
@@ -213,6 +222,31 @@ def speculable(request: Request) -> bool:
 def smoothed(previous: float | None, newest: float, weight: float) -> float:
     """An exponential moving average that starts at its first measurement."""
     return newest if previous is None else previous + weight * (newest - previous)
+
+
+@dataclass(frozen=True)
+class Kept:
+    """A finished stream whose state the stages keep."""
+
+    tokens: tuple[int, ...]  # what its positions hold, in order
+    reached: int  # the furthest position it was fed, which a rewind may go back at most the slack from
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def reusable(kept: dict[RequestId, Kept], prompt: Sequence[int], slack: int) -> tuple[RequestId, int] | None:
+    """The kept stream whose positions serve most of `prompt`, and how many: a prompt's last token is
+    always fed again (its row gives the first token). A stream can be stepped back at most `slack`
+    positions behind the furthest it was fed; on a tie the one kept last wins."""
+    best: tuple[RequestId, int] | None = None
+    for stream, held in kept.items():
+        positions = min(common_prefix(held.tokens, prompt), len(prompt) - 1)
+        if positions > 0 and held.reached - positions <= slack and (best is None or positions >= best[1]):
+            best = (stream, positions)
+    return best
 
 
 def smoothed_acceptance(previous: float, accepted: int) -> float:
@@ -315,11 +349,15 @@ class Scheduler:
         self._next_frame = 0
         self._chain_ready = False
         self.verified: list[Verified] = []  # the last on_frame_done's verify outcomes, for the proposer
+        self._kept: dict[RequestId, Kept] = {}  # finished streams the stages keep, oldest first
+        self._dropped: list[RequestId] = []  # kept streams given up, for the stages to close
+        self.rewind_slack = 0  # as the stages report it
+        self.reused_positions = 0  # prompt positions taken over from kept streams so far
 
     # -- inputs -----------------------------------------------------------------------------------
 
     def submit(self, request: Request) -> None:
-        if request.id in self._active or any(r.id == request.id for r in self._queue):
+        if request.id in self._active or request.id in self._kept or any(r.id == request.id for r in self._queue):
             raise ValueError(f"request {request.id} is already known")
         if len(self._queue) >= self.config.max_queue:
             raise Overloaded(f"overloaded: {len(self._queue)} requests already wait for admission")
@@ -339,6 +377,8 @@ class Scheduler:
                 self._queue.remove(queued)
                 return False
         stream = self._active.pop(request_id, None)
+        if stream is not None and not stream.opened and stream.resume_from:
+            self._dropped.append(stream.resume_from)  # the stages still hold it under its old name
         return stream is not None and stream.opened
 
     def on_frame_done(
@@ -389,21 +429,60 @@ class Scheduler:
                     finished = "stop"
                 elif len(stream.generated) >= params.max_tokens:
                     finished = "length"
-                emitted.append(Emitted(row.stream, token, finished))
+                emitted.append(Emitted(row.stream, token, finished, stream.reused if len(stream.generated) == 1 else 0))
                 if finished:
                     del self._active[row.stream]
+                    self._keep(stream)
                     break
         return emitted
 
     def on_frame_failed(self, frame_id: int) -> list[RequestId]:
-        """A frame lost on the chain: its streams fail (their state on the stages is unknown)."""
+        """A frame lost on the chain: its streams fail (their state on the stages is unknown), and the kept
+        streams are given up (a stage that failed may have lost them)."""
         frame = self._in_flight.pop(frame_id, None)
         if frame is None:
             return []
+        self.drop_all_kept()
+        # a stream that was to take over a kept one's state: the stages that never saw the frame hold it still
+        self._dropped.extend(row.resume_from for row in frame.rows if row.resume_from)
         failed = [row.stream for row in frame.rows if row.stream in self._active]
         for stream in failed:
             del self._active[stream]
         return failed
+
+    def kept(self, stream_id: RequestId) -> bool:
+        """Whether a finished stream's state stays on the stages (it must not be closed)."""
+        return stream_id in self._kept
+
+    def drop_kept(self, stream_id: RequestId) -> None:
+        """Give up a kept stream (its name is wanted again)."""
+        if self._kept.pop(stream_id, None) is not None:
+            self._dropped.append(stream_id)
+
+    def drop_all_kept(self) -> None:
+        self._dropped.extend(self._kept)
+        self._kept.clear()
+
+    def take_dropped(self) -> list[RequestId]:
+        """Kept streams given up since the last call: the stages should close them."""
+        dropped, self._dropped = self._dropped, []
+        return dropped
+
+    def _keep(self, stream: _Stream) -> None:
+        """Keep a finished stream's state for a later prompt: every position but the last token's, which
+        was sampled and never fed. Streams the MTP head follows are not kept (its state is not handed on)."""
+        if not self.config.keep_finished or stream.mtp:
+            return
+        request = stream.request
+        fed = len(request.prompt) + len(stream.generated) - 1
+        self._kept[request.id] = Kept((request.prompt + tuple(stream.generated))[:fed], stream.reached)
+        while len(self._kept) > self.config.keep_finished:
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        oldest = next(iter(self._kept))
+        del self._kept[oldest]
+        self._dropped.append(oldest)
 
     # -- drafts -----------------------------------------------------------------------------------
 
@@ -464,9 +543,29 @@ class Scheduler:
         return frames
 
     def _admit(self) -> None:
-        while self._queue and len(self._active) < self.config.max_streams:
-            request = self._queue.popleft()
-            self._active[request.id] = _Stream(request)
+        while self._queue:
+            request = self._queue[0]
+            stream = _Stream(request)
+            found = None if self._follows_mtp(request) or request.score_prompt else self._reusable(request)
+            if found is not None:  # a kept stream becomes this one: no stream more on the stages
+                source, positions = found
+                held = self._kept.pop(source)
+                stream.position, stream.reached, stream.resume_from = positions, held.reached, source
+                stream.reused = positions
+                self.reused_positions += positions
+            else:
+                while self._kept and len(self._active) + len(self._kept) >= self.config.max_streams:
+                    self._drop_oldest()
+                if len(self._active) + len(self._kept) >= self.config.max_streams:
+                    return
+            self._queue.popleft()
+            self._active[request.id] = stream
+
+    def _reusable(self, request: Request) -> tuple[RequestId, int] | None:
+        return reusable(self._kept, request.prompt, self.rewind_slack) if self._kept else None
+
+    def _follows_mtp(self, request: Request) -> bool:
+        return self.config.mtp_draft > 0 and speculable(request)
 
     def _build_frame(self) -> Frame | None:
         budget = self.config.rows_per_group
@@ -499,7 +598,7 @@ class Scheduler:
             n = min(self.config.prefill_window, budget, len(prompt) - stream.position)
             end = stream.position + n
             if not stream.opened:
-                stream.mtp = self.config.mtp_draft > 0 and speculable(stream.request)
+                stream.mtp = self._follows_mtp(stream.request)
             rows.append(
                 Row(
                     stream.request.id,
@@ -509,6 +608,7 @@ class Scheduler:
                     not stream.opened,
                     mtp=stream.mtp and not stream.opened,
                     propose=self._propose(stream) if end == len(prompt) else 0,
+                    resume_from="" if stream.opened else stream.resume_from,
                 )
             )
             budget -= n
@@ -519,6 +619,7 @@ class Scheduler:
             stream.frames += 1
             stream.opened = True
             stream.position += len(row.tokens)
+            stream.reached = max(stream.reached, stream.position)
         frame = Frame(self._next_frame, tuple(rows), tuple(rewinds))
         self._next_frame += 1
         return frame
@@ -545,6 +646,10 @@ class Scheduler:
     @property
     def active(self) -> int:
         return len(self._active)
+
+    @property
+    def kept_streams(self) -> int:
+        return len(self._kept)
 
     @property
     def in_flight(self) -> int:

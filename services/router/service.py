@@ -53,6 +53,7 @@ class RouterServicer(rpc.RouterServicer):
                     finish_reason=event.finished or "",
                     top=sampled.top,
                     prompt=pending.prompt_scores if first else (),
+                    cached_tokens=event.cached,
                 )
                 first = False
             if pending.error and pending.error != "cancelled":
@@ -90,6 +91,8 @@ class RouterServicer(rpc.RouterServicer):
                 pb.SourceStats(source=source, drafted_tokens=drafted, accepted_tokens=accepted)
                 for source, (drafted, accepted) in sorted(self.driver.spec_by_source.items())
             ],
+            reused_positions=s.reused_positions,
+            kept_streams=s.kept_streams,
         )
 
 

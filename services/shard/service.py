@@ -95,6 +95,15 @@ def check_frame(
     for opened in frame.opens:
         if opened.stream in after:
             raise FrameRejected(f"stream '{opened.stream}' is already open")
+        if opened.resume_from:
+            source = opened.resume_from
+            if source not in after:
+                raise FrameRejected(f"stream '{opened.stream}' resumes unknown stream '{source}'")
+            if not 0 <= opened.position <= after[source]:
+                raise FrameRejected(f"stream '{opened.stream}': cannot resume '{source}' at {opened.position}")
+            if opened.mtp or source in mtp_streams:
+                raise FrameRejected(f"stream '{opened.stream}': streams the MTP head follows are not resumed")
+            del after[source]
         try:
             sampling_params(opened.sampling)
         except ValueError as exc:
@@ -102,7 +111,7 @@ def check_frame(
         beyond = sorted(t for t in opened.sampling.logit_bias if t >= (sampled_vocab or vocab))
         if beyond:
             raise FrameRejected(f"stream '{opened.stream}': logit_bias names token {beyond[0]}, beyond the vocabulary")
-        after[opened.stream] = 0
+        after[opened.stream] = opened.position if opened.resume_from else 0
         if opened.mtp and mtp_depths == 0:
             raise FrameRejected(f"stream '{opened.stream}' asks for MTP drafts but this stage has no MTP head")
     mtp = mtp_streams | {o.stream for o in frame.opens if o.mtp}
@@ -289,6 +298,7 @@ class ShardServicer(rpc.ShardServicer):
             sampled_vocab=self.engine.shape.unpadded_vocab_size,
             context=self.engine.context_limit,
             grammars=self.vocabulary is not None,
+            rewind_slack=self.engine.settings.rewind_slack,
         )
 
     async def run(self) -> None:
@@ -309,7 +319,8 @@ class ShardServicer(rpc.ShardServicer):
             self._pass_on(out)
 
     def _forget(self, frame) -> None:
-        for name in [*(o.stream for o in frame.opens), *(b.stream for b in frame.rows)]:
+        resumed = [o.resume_from for o in frame.opens if o.resume_from]
+        for name in [*(o.stream for o in frame.opens), *resumed, *(b.stream for b in frame.rows)]:
             self.expected.pop(name, None)
             self.samplers.pop(name, None)
             self.constraints.pop(name, None)
@@ -328,7 +339,13 @@ class ShardServicer(rpc.ShardServicer):
                 drafter.rewind(rewind.stream, rewind.position)
         capture = self.capture
         for opened in frame.opens:
-            engine.open(opened.stream, opened.context or None)
+            if opened.resume_from:
+                engine.adopt(opened.resume_from, opened.stream, opened.position)
+                self.samplers.pop(opened.resume_from, None)
+                if capture is not None:
+                    capture.closed(opened.resume_from)
+            else:
+                engine.open(opened.stream, opened.context or None)
             if drafter is not None and opened.mtp:
                 drafter.open(opened.stream)
             if capture is not None:
