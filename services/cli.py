@@ -1340,6 +1340,25 @@ def bench_spec(
     sys.stdout.write(json.dumps({"speedup": speedups, "aggregate": summary["aggregate"]}) + "\n")
 
 
+@bench_app.command("turns")
+def bench_turns(
+    model: Annotated[str, typer.Option(help=MODEL_HELP)] = "smollm2-135m",
+    out: Annotated[Path, typer.Option(help="Directory for JSON and PNG results.")] = Path("bench-out/turns"),
+    shards: Annotated[int, typer.Option(min=1)] = 2,
+    turns: Annotated[int, typer.Option(min=2, help="Turns of the conversation.")] = 4,
+    repeats: Annotated[int, typer.Option(min=1, help="Conversations per mode (median reported).")] = 3,
+    answer_tokens: Annotated[int, typer.Option(min=1, help="Most tokens of each answer.")] = 32,
+    history: Annotated[int, typer.Option(min=1, help="Times the first message says its passage.")] = 4,
+) -> None:
+    """A conversation's time to first token by turn, with the last turn's state taken over and without."""
+    from cascadia.bench.turns import TurnsBenchConfig, run_turns_bench
+
+    config = TurnsBenchConfig(resolve_model(model), out, shards, turns, repeats, answer_tokens, history)
+    summary = run_turns_bench(config, err)
+    speedups = {t["turn"]: round(t["paired_speedup"], 2) for t in summary["turns"]}
+    sys.stdout.write(json.dumps({"ttft_speedup_by_turn": speedups}) + "\n")
+
+
 @bench_app.command("mtp")
 def bench_mtp(
     model: Annotated[
