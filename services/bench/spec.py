@@ -188,11 +188,11 @@ async def _run(config: SpecBenchConfig, driver, codec, console: Console) -> dict
 
 
 def run_spec_bench(config: SpecBenchConfig, console: Console) -> dict[str, Any]:
+    from cascadia.bench.driving import drive_local_fleet
     from cascadia.bench.verify import measure_verify_cost
     from cascadia.draft.client import LocalProposer
     from cascadia.gateway.text import TextCodec
     from cascadia.router.local import LocalFleet
-    from cascadia.router.pipeline import PipelineDriver
 
     config.out.mkdir(parents=True, exist_ok=True)
     codec = TextCodec.from_model(config.model)
@@ -212,21 +212,11 @@ def run_spec_bench(config: SpecBenchConfig, console: Console) -> dict[str, Any]:
             proposer = HybridProposer(model=EngineDrafter(config.draft_model, codec))
     fleet.start(log_dir=config.out)
 
-    async def go() -> dict[str, Any]:
-        driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, scheduler, 600, LocalProposer(proposer))
-        await driver.start()
-        try:
-            with console.status(f"starting {config.shards} shards"):
-                await driver.wait_ready(timeout=600)
-            await _one(driver, "warm-up", codec.encode("Hello"), SamplingParams(max_tokens=8), True)
-            return await _run(config, driver, codec, console)
-        finally:
-            await driver.stop()
+    async def run(driver) -> dict[str, Any]:
+        await _one(driver, "warm-up", codec.encode("Hello"), SamplingParams(max_tokens=8), True)
+        return await _run(config, driver, codec, console)
 
-    try:
-        results = asyncio.run(go())
-    finally:
-        fleet.stop()
+    results = drive_local_fleet(fleet, scheduler, console, run, LocalProposer(proposer))
     # measured after the fleet stops, so the one process has the cores to itself
     results["verify_cost"] = measure_verify_cost(config.model, VERIFY_SIZES, 5 * config.repeats, console)
     summary = {

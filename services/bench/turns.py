@@ -7,7 +7,6 @@ time to its first token is compared within the round.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import statistics
 import time
@@ -104,10 +103,10 @@ async def _run(config: TurnsBenchConfig, driver, codec, console: Console) -> dic
 
 
 def run_turns_bench(config: TurnsBenchConfig, console: Console) -> dict[str, Any]:
+    from cascadia.bench.driving import drive_local_fleet
     from cascadia.bench.machine import machine_summary
     from cascadia.gateway.text import TextCodec
     from cascadia.router.local import LocalFleet
-    from cascadia.router.pipeline import PipelineDriver
 
     config.out.mkdir(parents=True, exist_ok=True)
     codec = TextCodec.from_model(config.model)
@@ -115,21 +114,11 @@ def run_turns_bench(config: TurnsBenchConfig, console: Console) -> dict[str, Any
     scheduler = fleet.scheduler_config()  # the schedule `cascadia up` gives this fleet
     fleet.start(log_dir=config.out)
 
-    async def go() -> dict[str, Any]:
-        driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, scheduler, 600)
-        await driver.start()
-        try:
-            with console.status(f"starting {config.shards} shards"):
-                await driver.wait_ready(timeout=600)
-            await _conversation(driver, codec, replace(config, turns=1), "warm-up")
-            return await _run(config, driver, codec, console)
-        finally:
-            await driver.stop()
+    async def run(driver) -> dict[str, Any]:
+        await _conversation(driver, codec, replace(config, turns=1), "warm-up")
+        return await _run(config, driver, codec, console)
 
-    try:
-        results = asyncio.run(go())
-    finally:
-        fleet.stop()
+    results = drive_local_fleet(fleet, scheduler, console, run)
     summary = {
         "model": config.model.name,
         "shards": config.shards,
