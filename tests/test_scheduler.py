@@ -317,7 +317,7 @@ def test_a_stream_taking_over_a_kept_one_and_cancelled_before_it_opens_frees_the
     assert s.cancel("b") is False and s.take_dropped() == ["a"]
 
 
-def test_streams_the_mtp_head_follows_and_scored_prompts_neither_keep_nor_take_over_state():
+def test_streams_the_mtp_head_follows_scored_prompts_and_captures_neither_keep_nor_take_over_state():
     s = Scheduler(SchedulerConfig(stages=1, rows_per_group=8, max_draft=2, mtp_draft=1))
     s.set_chain_ready(True)
     s.rewind_slack = 8
@@ -332,6 +332,12 @@ def test_streams_the_mtp_head_follows_and_scored_prompts_neither_keep_nor_take_o
     plain.submit(Request("scored", (10, 11, 12), SamplingParams(), score_prompt=True))
     (frame,) = plain.next_frames()
     assert frame.rows[0].resume_from == "" and plain.kept("a")
+    plain.on_frame_done(frame.id, {"scored": 1})
+    plain.taking_over = False  # the stages capture: every stream's rows from its first position
+    plain.submit(Request("captured", (10, 11, 12), SamplingParams()))
+    (frame,) = plain.next_frames()
+    (row,) = [r for r in frame.rows if r.stream == "captured"]
+    assert row.resume_from == "" and row.start == 0 and plain.kept("a")
 
 
 def test_a_name_still_kept_is_refused_by_the_scheduler():

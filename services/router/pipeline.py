@@ -174,7 +174,10 @@ class PipelineDriver:
         return list(await asyncio.gather(*(one(c) for c in self._channels)))
 
     async def capture(self, request) -> list:
-        """Forward a capture request to every stage, first to last."""
+        """Forward a capture request to every stage, first to last. While the stages capture, no stream
+        takes over a kept one's state, so that each captured stream's rows start at its first position."""
+        if not request.status_only:
+            self.scheduler.taking_over = not request.enable
         replies = []
         for i, channel in enumerate(self._channels):
             try:

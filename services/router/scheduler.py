@@ -352,6 +352,8 @@ class Scheduler:
         self._kept: dict[RequestId, Kept] = {}  # finished streams the stages keep, oldest first
         self._dropped: list[RequestId] = []  # kept streams given up, for the stages to close
         self.rewind_slack = 0  # as the stages report it
+        # off while the stages capture: a capture holds each stream's rows from its first position on
+        self.taking_over = True
         self.reused_positions = 0  # prompt positions taken over from kept streams so far
 
     # -- inputs -----------------------------------------------------------------------------------
@@ -546,7 +548,7 @@ class Scheduler:
         while self._queue:
             request = self._queue[0]
             stream = _Stream(request)
-            found = None if self._follows_mtp(request) or request.score_prompt else self._reusable(request)
+            found = self._reusable(request)
             if found is not None:  # a kept stream becomes this one: no stream more on the stages
                 source, positions = found
                 held = self._kept.pop(source)
@@ -562,7 +564,11 @@ class Scheduler:
             self._active[request.id] = stream
 
     def _reusable(self, request: Request) -> tuple[RequestId, int] | None:
-        return reusable(self._kept, request.prompt, self.rewind_slack) if self._kept else None
+        """A kept stream this request may take over: not for a scored prompt (every prompt row is scored),
+        nor a stream the MTP head follows (its state is not handed on)."""
+        if not self._kept or not self.taking_over or request.score_prompt or self._follows_mtp(request):
+            return None
+        return reusable(self._kept, request.prompt, self.rewind_slack)
 
     def _follows_mtp(self, request: Request) -> bool:
         return self.config.mtp_draft > 0 and speculable(request)
