@@ -101,7 +101,9 @@ def enter_or_skip(network: EmulatedNetwork) -> EmulatedNetwork:
 
 
 async def timed_generate(fleet: LocalFleet, prompts: list[tuple[int, ...]], max_tokens: int, warm_up: bool = False):
-    driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, SchedulerConfig(stages=2), frame_timeout=60)
+    # every request computes its prompt and every stream is closed at its end: what crosses the links is timed
+    config = SchedulerConfig(stages=2, keep_finished=0)
+    driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, config, frame_timeout=60)
     await driver.start()
     try:
         await driver.wait_ready(timeout=120)
