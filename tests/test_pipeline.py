@@ -360,7 +360,20 @@ def test_later_prompts_take_over_a_finished_streams_state_and_give_the_single_pr
         finally:
             await driver.stop()
 
+    async def open_after_stop() -> list[int]:
+        """What the stages hold once the router has stopped: it closes the streams it kept."""
+        deadline = time.monotonic() + 10
+        while True:
+            held = []
+            for address in fleet.stage_addrs:
+                async with grpc.aio.insecure_channel(address) as channel:
+                    held.append((await rpc.ShardStub(channel).Stats(pb.StatsRequest(), timeout=5)).open_streams)
+            if not any(held) or time.monotonic() > deadline:
+                return held
+            await asyncio.sleep(0.1)
+
     turns, done, cached, reused, open_streams, spec = asyncio.run(go())
+    assert asyncio.run(open_after_stop()) == [0, 0]
     assert [p.tokens for p in done] == [solo(r) for r in turns]
     fed = len(turns[0].prompt) + len(done[0].tokens) - 1
     turn2_fed = len(turns[1].prompt) + len(done[1].tokens) - 1

@@ -194,6 +194,10 @@ class PipelineDriver:
         if self._tasks:  # let the last close frames go out
             await asyncio.wait(list(self._tasks), timeout=2)
         if self._first is not None:
+            self.scheduler.drop_all_kept()  # the stages free what no router will take over
+            self._closes.extend(self.scheduler.take_dropped())
+            if self._closes:
+                self._submit(pb.Frame(frame_id=CLOSE_ONLY_FRAME, closes=self._take_closes()), None)
             await self._first.close()
         self.stopping.set()
         for channel in self._channels:
