@@ -223,6 +223,40 @@ def test_drafts_follow_the_reference_chain_through_rewinds(mtp_model: Path, refe
     assert tokens["a"] == plain["a"][: len(tokens["a"])] and tokens["b"] == plain["b"][: len(tokens["b"])]
 
 
+def test_a_stream_taking_over_a_finished_one_drafts_as_the_reference_chain(
+    mtp_model: Path, reference: MtpReference, head: MtpHead
+):
+    """A later prompt that starts with a finished stream's tokens takes over its trunk state and its
+    depths, stepped back to where the prompts part: the drafts are the reference chain's on the new
+    sequence, as if the new prompt had been fed from its start."""
+    trunk = StageEngine(load_stage(mtp_model, 0, 5), EngineSettings())
+    drafter = MtpDrafter(head)
+
+    def feed(stream: str, start: int, ids: list[int]) -> int:
+        step = trunk.step([Segment(stream, start, len(ids))], np.asarray(ids))
+        drafter.confirm(stream, start, step.hidden, ids)
+        token = int(step.logits[-1].argmax())
+        drafter.sampled(stream, token)
+        return token
+
+    old = prompt(5, 20)
+    trunk.open("old")
+    drafter.open("old")
+    token = feed("old", 0, old)
+    drafter.propose({"old": DEPTHS})  # every depth is current
+    feed("old", len(old), [token])  # and one decoded row more
+    new = [*old[:16], *prompt(6, 5)]
+    try:
+        trunk.adopt("old", "new", 16)
+        drafter.adopt("old", "new", 16)
+        assert drafter.streams == ["new"] and all(block.streams == ["new"] for block in head.blocks)
+        token = feed("new", 16, new[16:])
+        assert drafter.propose({"new": DEPTHS})["new"] == reference.drafts([*new, token], DEPTHS)
+    finally:
+        for stream in drafter.streams:
+            drafter.close(stream)
+
+
 def test_greedy_ids_are_the_same_with_and_without_mtp(mtp_model: Path, head: MtpHead, tiny: Path):
     from cascadia.engine.generate import generate
 
@@ -301,20 +335,30 @@ def test_mtp_drafts_across_shard_processes_keep_greedy_ids(mtp_model: Path, tiny
                 return rid, [e.token async for e in stub.Generate(message, timeout=120)]
 
             got = dict(await asyncio.gather(*(one(rid, ids) for rid, ids in prompts.items())))
+            # a next turn takes over r0's finished stream, the MTP head's depths with it
+            message = pb.GenerateRequest(request_id="next", prompt_ids=follow_up(got["r0"]), max_tokens=16)
+            events = [e async for e in stub.Generate(message, timeout=120)]
             stats = await stub.Stats(pb.StatsRequest(), timeout=5)
             await asyncio.sleep(0.5)  # the close frame travels the chain
             last = rpc.ShardStub(grpc.aio.insecure_channel(fleet.stage_addrs[-1]))
             shard_stats = await last.Stats(pb.StatsRequest(), timeout=5)
-            return got, stats, shard_stats
+            return got, events, stats, shard_stats
+
+    def follow_up(answer: list[int]) -> list[int]:
+        return [*prompts["r0"], *answer[:-1], 7, 8]
 
     try:
-        got, stats, shard_stats = asyncio.run(go())
+        got, events, stats, shard_stats = asyncio.run(go())
     finally:
         fleet.stop()
     assert got == expected
+    nxt = follow_up(got["r0"])
+    assert [e.token for e in events] == generate(engine, nxt, SamplingParams(max_tokens=16)).token_ids
+    assert events[0].cached_tokens == len(prompts["r0"]) + len(got["r0"]) - 1
     by_source = {s.source: s for s in stats.sources}
     assert "mtp" in by_source and by_source["mtp"].drafted_tokens > 0, stats
-    assert shard_stats.open_streams == 0
+    assert stats.reused_positions == events[0].cached_tokens
+    assert shard_stats.open_streams == stats.kept_streams == 3  # r1, r2 and "next" are kept
 
 
 # -- capture on an MTP fleet and offline draft evaluation -------------------------------------------

@@ -319,8 +319,12 @@ def test_a_stage_checks_a_stream_that_takes_over_a_finished_ones_state():
         check_frame(frame("old", 10, 10), {"old": 9}, True, 64, 512)
     with pytest.raises(FrameRejected, match="position gap"):
         check_frame(frame("old", 6, 0), {"old": 9}, True, 64, 512)
-    with pytest.raises(FrameRejected, match="MTP head follows are not resumed"):
+    with pytest.raises(FrameRejected, match="MTP head follows resumes only such a stream"):
         check_frame(frame("old", 6, 6), {"old": 9}, True, 64, 512, mtp_depths=1, mtp_streams=frozenset({"old"}))
+    with pytest.raises(FrameRejected, match="MTP head follows resumes only such a stream"):
+        check_frame(frame("old", 6, 6, mtp=True), {"old": 9}, True, 64, 512, mtp_depths=1)
+    followed = check_frame(frame("old", 6, 6, mtp=True), {"old": 9}, True, 64, 512, 1, frozenset({"old"}))
+    assert followed == {"new": 7}
 
 
 @pytest.mark.parametrize("speculate", [False, True])

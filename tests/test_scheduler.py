@@ -317,13 +317,35 @@ def test_a_stream_taking_over_a_kept_one_and_cancelled_before_it_opens_frees_the
     assert s.cancel("b") is False and s.take_dropped() == ["a"]
 
 
-def test_streams_the_mtp_head_follows_scored_prompts_and_captures_neither_keep_nor_take_over_state():
+def test_a_stream_the_mtp_head_follows_takes_over_only_such_a_stream():
     s = Scheduler(SchedulerConfig(stages=1, rows_per_group=8, max_draft=2, mtp_draft=1))
     s.set_chain_ready(True)
     s.rewind_slack = 8
     s.submit(request("mtp", 2, max_tokens=1))
     _finish(s, "mtp", [5])
-    assert not s.kept("mtp")
+    assert s.kept("mtp")
+    seeded = SamplingParams(temperature=1.0, seed=3)  # a seed promises one sample path: no drafts, no MTP
+    s.submit(Request("plain", (10, 11, 12), seeded))
+    (frame,) = s.next_frames()
+    assert frame.rows[0].resume_from == "" and not frame.rows[0].mtp and s.kept("mtp")
+    s.on_frame_done(frame.id, {"plain": 1})
+    s.submit(Request("follows", (10, 11, 5, 6), SamplingParams()))
+    (frame,) = s.next_frames()
+    (row,) = [r for r in frame.rows if r.stream == "follows"]
+    assert (row.resume_from, row.start, row.mtp, row.opens) == ("mtp", 2, True, True)  # 5 was never fed
+
+
+def test_a_kept_stream_the_mtp_head_follows_is_stepped_back_one_position_less_far():
+    from cascadia.router.scheduler import Kept, reusable
+
+    prompt = (1, 2, 3, 4, 9)
+    assert reusable({"a": Kept((1, 2, 3, 4), reached=6)}, prompt, slack=2) == ("a", 4)
+    assert reusable({"a": Kept((1, 2, 3, 4), reached=6, mtp=True)}, prompt, slack=2, mtp=True) is None
+    assert reusable({"a": Kept((1, 2, 3, 4), reached=5, mtp=True)}, prompt, slack=2, mtp=True) == ("a", 4)
+    assert reusable({"a": Kept((1, 2, 3, 4), reached=5, mtp=True)}, prompt, slack=2) is None  # not followed
+
+
+def test_scored_prompts_and_captures_take_over_no_state():
     plain = Scheduler(SchedulerConfig(stages=1, rows_per_group=8))
     plain.set_chain_ready(True)
     plain.rewind_slack = 8

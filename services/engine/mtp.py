@@ -82,6 +82,12 @@ class MtpHead:
             if stream in block.streams:
                 block.close(stream)
 
+    def adopt(self, source: Hashable, stream: Hashable) -> None:
+        """`stream` takes over `source`'s state at every depth, where it stands."""
+        for block in self.blocks:
+            if source in block.streams:
+                block.adopt(source, stream, block.position(source))
+
     def position(self, depth: int, stream: Hashable) -> int:
         return self.blocks[depth].position(stream)
 
@@ -111,6 +117,9 @@ class MtpDrafter:
     def __init__(self, head: MtpHead) -> None:
         self.head = head
         self._streams: dict[Hashable, _StreamRecord] = {}
+        # inputs held behind each depth, so that a stream stepped back as far as the trunk allows (a later
+        # prompt taking a finished stream over) can run its depths again from there
+        self.keep_behind = head.blocks[0].settings.rewind_slack if head.blocks else 0
 
     @property
     def streams(self) -> list[Hashable]:
@@ -123,6 +132,18 @@ class MtpDrafter:
     def close(self, stream: Hashable) -> None:
         if self._streams.pop(stream, None) is not None:
             self.head.close(stream)
+
+    def adopt(self, source: Hashable, stream: Hashable, position: int) -> None:
+        """`stream` takes over `source`'s record and depths, stepped back to `position` trunk rows (as the
+        trunk's stages step the stream back when a later prompt takes a finished stream over). Its depths
+        step back one row further than the trunk, so it must be within the rewind slack less one."""
+        if stream in self._streams:
+            raise ValueError(f"stream {stream!r} is already open")
+        record = self._streams.pop(source)
+        self.head.adopt(source, stream)
+        self._streams[stream] = record
+        # the token at `position` is the new prompt's, which may differ from the one `source` read there
+        self._step_back(stream, min(position, record.rows), position)
 
     def confirm(self, stream: Hashable, start: int, trunk_rows: np.ndarray, ids: Sequence[int]) -> None:
         """Trunk rows start.. (raw final states, before the final norm) and the ids they were fed."""
@@ -141,15 +162,19 @@ class MtpDrafter:
 
     def rewind(self, stream: Hashable, position: int) -> None:
         """The trunk went back to `position` rows: forget what depended on later tokens."""
+        if position < self._streams[stream].rows:
+            self._step_back(stream, position, position + 1)
+
+    def _step_back(self, stream: Hashable, rows: int, changed: int) -> None:
+        """Keep `rows` trunk rows and the tokens before `changed`: depth k's row t read token t + k + 1,
+        so each depth keeps the rows that read only tokens before `changed`."""
         record = self._streams[stream]
-        if position >= record.rows:
-            return
-        record.rows = position
-        del record.tokens[position + 1 :]
-        for t in [t for t in record.trunk if t >= position]:
+        record.rows = rows
+        del record.tokens[changed:]
+        for t in [t for t in record.trunk if t >= rows]:
             del record.trunk[t]
         for k in range(self.head.depths):
-            keep = max(0, position - k)
+            keep = max(0, changed - k - 1)
             if self.head.position(k, stream) > keep:
                 self.head.rewind(k, stream, keep)
             for t in [t for t in record.outputs[k] if t >= keep]:
@@ -237,13 +262,14 @@ class MtpDrafter:
                     self._prune(seg.stream)
 
     def _prune(self, stream: Hashable) -> None:
-        """Drop what no depth will read again: trunk states below depth 0's commit, outputs below the next's."""
+        """Drop what no depth will read again, even after stepping back `keep_behind` rows: trunk states
+        below depth 0's commit, outputs below the next depth's."""
         record, head = self._streams[stream], self.head
-        first = head.position(0, stream)
+        first = head.position(0, stream) - self.keep_behind
         for t in [t for t in record.trunk if t < first]:
             del record.trunk[t]
         for k in range(head.depths - 1):
-            below = head.position(k + 1, stream)
+            below = head.position(k + 1, stream) - self.keep_behind
             for t in [t for t in record.outputs[k] if t < below]:
                 del record.outputs[k][t]
         record.outputs[head.depths - 1].clear()

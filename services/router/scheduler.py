@@ -230,6 +230,7 @@ class Kept:
 
     tokens: tuple[int, ...]  # what its positions hold, in order
     reached: int  # the furthest position it was fed, which a rewind may go back at most the slack from
+    mtp: bool = False  # the last stage's MTP head follows it: only such a stream takes it over
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -237,14 +238,21 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return next((i for i in range(n) if a[i] != b[i]), n)
 
 
-def reusable(kept: dict[RequestId, Kept], prompt: Sequence[int], slack: int) -> tuple[RequestId, int] | None:
+def reusable(
+    kept: dict[RequestId, Kept], prompt: Sequence[int], slack: int, mtp: bool = False
+) -> tuple[RequestId, int] | None:
     """The kept stream whose positions serve most of `prompt`, and how many: a prompt's last token is
     always fed again (its row gives the first token). A stream can be stepped back at most `slack`
-    positions behind the furthest it was fed; on a tie the one kept last wins."""
+    positions behind the furthest it was fed (one less where the MTP head follows it: its depths step
+    back a row further); on a tie the one kept last wins. `mtp`: whether the MTP head is to follow the
+    new stream, as it must have followed the kept one."""
     best: tuple[RequestId, int] | None = None
     for stream, held in kept.items():
+        if held.mtp != mtp:
+            continue
         positions = min(common_prefix(held.tokens, prompt), len(prompt) - 1)
-        if positions > 0 and held.reached - positions <= slack and (best is None or positions >= best[1]):
+        reach = slack - 1 if mtp else slack
+        if positions > 0 and held.reached - positions <= reach and (best is None or positions >= best[1]):
             best = (stream, positions)
     return best
 
@@ -472,12 +480,12 @@ class Scheduler:
 
     def _keep(self, stream: _Stream) -> None:
         """Keep a finished stream's state for a later prompt: every position but the last token's, which
-        was sampled and never fed. Streams the MTP head follows are not kept (its state is not handed on)."""
-        if not self.config.keep_finished or stream.mtp:
+        was sampled and never fed."""
+        if not self.config.keep_finished:
             return
         request = stream.request
         fed = len(request.prompt) + len(stream.generated) - 1
-        self._kept[request.id] = Kept((request.prompt + tuple(stream.generated))[:fed], stream.reached)
+        self._kept[request.id] = Kept((request.prompt + tuple(stream.generated))[:fed], stream.reached, stream.mtp)
         while len(self._kept) > self.config.keep_finished:
             self._drop_oldest()
 
@@ -564,11 +572,10 @@ class Scheduler:
             self._active[request.id] = stream
 
     def _reusable(self, request: Request) -> tuple[RequestId, int] | None:
-        """A kept stream this request may take over: not for a scored prompt (every prompt row is scored),
-        nor a stream the MTP head follows (its state is not handed on)."""
-        if not self._kept or not self.taking_over or request.score_prompt or self._follows_mtp(request):
+        """A kept stream this request may take over: not for a scored prompt (every prompt row is scored)."""
+        if not self._kept or not self.taking_over or request.score_prompt:
             return None
-        return reusable(self._kept, request.prompt, self.rewind_slack)
+        return reusable(self._kept, request.prompt, self.rewind_slack, self._follows_mtp(request))
 
     def _follows_mtp(self, request: Request) -> bool:
         return self.config.mtp_draft > 0 and speculable(request)

@@ -101,8 +101,11 @@ def check_frame(
                 raise FrameRejected(f"stream '{opened.stream}' resumes unknown stream '{source}'")
             if not 0 <= opened.position <= after[source]:
                 raise FrameRejected(f"stream '{opened.stream}': cannot resume '{source}' at {opened.position}")
-            if opened.mtp or source in mtp_streams:
-                raise FrameRejected(f"stream '{opened.stream}': streams the MTP head follows are not resumed")
+            if opened.mtp != (source in mtp_streams):
+                raise FrameRejected(
+                    f"stream '{opened.stream}': a stream the MTP head follows resumes only such a stream, and "
+                    "only such a stream resumes one"
+                )
             del after[source]
         try:
             sampling_params(opened.sampling)
@@ -220,7 +223,7 @@ class ShardServicer(rpc.ShardServicer):
             return str(exc)
         self.constraints.update(constraints)
         self.mtp_streams.update(o.stream for o in frame.opens if o.mtp)
-        self.mtp_streams.difference_update(frame.closes)
+        self.mtp_streams.difference_update([*frame.closes, *(o.resume_from for o in frame.opens if o.resume_from)])
         return ""
 
     def _grammars(self, frame) -> dict[str, TokenConstraint]:
@@ -342,12 +345,15 @@ class ShardServicer(rpc.ShardServicer):
             if opened.resume_from:
                 engine.adopt(opened.resume_from, opened.stream, opened.position)
                 self.samplers.pop(opened.resume_from, None)
+                # the MTP head follows the stream on where it was (unless it had given up on it)
+                if drafter is not None and opened.resume_from in drafter.streams:
+                    drafter.adopt(opened.resume_from, opened.stream, opened.position)
                 if capture is not None:
                     capture.closed(opened.resume_from)
             else:
                 engine.open(opened.stream, opened.context or None)
-            if drafter is not None and opened.mtp:
-                drafter.open(opened.stream)
+                if drafter is not None and opened.mtp:
+                    drafter.open(opened.stream)
             if capture is not None:
                 capture.opened(opened.stream)
             if engine.is_last:
