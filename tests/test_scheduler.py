@@ -299,8 +299,21 @@ def test_kept_streams_give_way_oldest_first_and_are_given_up_when_a_frame_fails(
         s.submit(Request(rid, (50, 51, 52), SamplingParams()))
     frames = s.next_frames()
     assert s.active == 2 and s.take_dropped() == ["k1"]  # two active and one kept fill max_streams
-    s.on_frame_failed(frames[0].id)
-    assert s.kept_streams == 0 and s.take_dropped() == ["k2"]
+    s.submit(Request("third", (60, 61), SamplingParams()))
+    s.next_frames()
+    assert s.active == 3 and s.take_dropped() == ["k2"]  # the last kept stream gave way
+    s.submit(Request("fourth", (70, 71), SamplingParams()))
+    s.next_frames()
+    assert s.queued == 1  # the stages hold max_streams streams: it waits
+    s.on_frame_done(frames[0].id, {"new1": 5, "new2": 5})
+    s.cancel("fourth")
+    s.cancel("third")
+    _finish(s, "new1", [5] * 15)  # new2 decodes beside it, as far
+    assert s.kept("new1") and s.kept("new2") and s.take_dropped() == []
+    s.submit(Request("later", (80, 81), SamplingParams()))
+    (frame,) = s.next_frames()
+    s.on_frame_failed(frame.id)  # a stage that failed may have lost what it kept
+    assert s.kept_streams == 0 and s.take_dropped() == ["new1", "new2"]
     with pytest.raises(ValueError, match="keep_finished"):
         SchedulerConfig(stages=1, keep_finished=-1)
 

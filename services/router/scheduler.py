@@ -564,10 +564,10 @@ class Scheduler:
                 stream.reused = positions
                 self.reused_positions += positions
             else:
-                while self._kept and len(self._active) + len(self._kept) >= self.config.max_streams:
+                if len(self._active) >= self.config.max_streams:
+                    return  # giving kept streams up would not make room
+                while len(self._active) + len(self._kept) >= self.config.max_streams:
                     self._drop_oldest()
-                if len(self._active) + len(self._kept) >= self.config.max_streams:
-                    return
             self._queue.popleft()
             self._active[request.id] = stream
 
