@@ -93,6 +93,28 @@ def test_a_stream_taking_over_anothers_state_continues_as_if_it_had_been_fed_the
     engine.close("busy")
 
 
+def test_a_copy_of_a_streams_first_positions_goes_on_as_the_stream_would_and_leaves_it_alone(engine):
+    engine.open("src")
+    first = feed(engine, "src", IDS, 16)
+    at = len(IDS) - 12
+    engine.copy("src", "copy", at)
+    assert sorted(engine.streams) == ["copy", "src"] and engine.position("copy") == at
+    again = feed(engine, "copy", IDS[at:], 3, start=at)
+    np.testing.assert_allclose(again, first[at:], rtol=0, atol=2e-5 * np.abs(first).max())
+    # the source is untouched: its own continuation equals the copy's on the same tokens
+    tail = np.array([9, 8, 7])
+    mine = feed(engine, "src", tail, 3, start=len(IDS))
+    theirs = feed(engine, "copy", tail, 3, start=len(IDS))
+    np.testing.assert_allclose(theirs, mine, rtol=0, atol=2e-5 * np.abs(mine).max())
+    with pytest.raises(ValueError, match="rewind slack"):
+        engine.copy("src", "far", 0)
+    with pytest.raises(StreamError, match="'copy' is already open"):
+        engine.copy("src", "copy", at)
+    assert sorted(engine.streams) == ["copy", "src"]
+    engine.close("src")
+    engine.close("copy")
+
+
 def test_rewinds_in_a_row_are_bounded_by_the_furthest_position_fed(engine):
     """Two rewinds within the slack each but not together would read ring rows later positions overwrote."""
     engine.open("twice")

@@ -207,6 +207,20 @@ def test_tiny_llama_streams_batched_equal_streams_alone(tiny_llama, attention):
     np.testing.assert_allclose(np.concatenate([first.logits[:10], second.logits[3:]]), alone["c"], rtol=1e-4, atol=1e-4)
 
 
+@ATTENTIONS
+def test_tiny_llama_copy_of_a_streams_first_positions_goes_on_as_the_stream(tiny_llama, attention):
+    shape = load_shape(tiny_llama)
+    engine = StageEngine(load_stage(tiny_llama, 0, shape.num_layers), EngineSettings(llama_attention=attention))
+    ids = np.random.default_rng(6).integers(3, 300, size=40)
+    engine.open("src")
+    whole = engine.step([Segment("src", 0, len(ids))], ids).logits
+    engine.copy("src", "copy", 33)  # into the middle of a page
+    rest = engine.step([Segment("copy", 33, 7)], ids[33:]).logits
+    np.testing.assert_allclose(rest, whole[33:], rtol=1e-4, atol=1e-4)
+    engine.close("src")
+    engine.close("copy")
+
+
 # -- SmolLM2-135M (real weights) against OpenVINO GenAI -------------------------------------------
 
 

@@ -303,7 +303,7 @@ def test_router_process_streams_tokens_cancels_and_reports_stats(fleet_of, solo,
     assert held == [(0, 0, 0)] * len(fleet.stage_addrs)
 
 
-def test_a_stage_checks_a_stream_that_takes_over_a_finished_ones_state():
+def test_a_stage_checks_a_stream_that_takes_over_or_copies_anothers_state():
     from cascadia.shard.service import FrameRejected, check_frame
 
     def frame(resume_from: str, position: int, start: int, mtp: bool = False):
@@ -325,6 +325,19 @@ def test_a_stage_checks_a_stream_that_takes_over_a_finished_ones_state():
         check_frame(frame("old", 6, 6, mtp=True), {"old": 9}, True, 64, 512, mtp_depths=1)
     followed = check_frame(frame("old", 6, 6, mtp=True), {"old": 9}, True, 64, 512, 1, frozenset({"old"}))
     assert followed == {"new": 7}
+
+    def copy(source: str, position: int, mtp: bool = False):
+        out = pb.Frame(frame_id=2, token_ids=[5])
+        out.opens.append(pb.StreamOpen(stream="c", copy_from=source, position=position, mtp=mtp))
+        out.rows.append(pb.RowBlock(stream="c", start=position, length=1, wants_token=True))
+        return out
+
+    assert check_frame(copy("old", 8), {"old": 9}, True, 64, 512) == {"old": 9, "c": 9}  # the source goes on
+    for bad, reason in [(copy("gone", 8), "cannot copy 'gone'"), (copy("old", 10), "cannot copy 'old' at 10")]:
+        with pytest.raises(FrameRejected, match=reason):
+            check_frame(bad, {"old": 9}, True, 64, 512)
+    with pytest.raises(FrameRejected, match="does not follow a copied stream"):
+        check_frame(copy("old", 8, mtp=True), {"old": 9}, True, 64, 512, mtp_depths=1)
 
 
 @pytest.mark.parametrize("speculate", [False, True])
@@ -387,6 +400,23 @@ def test_later_prompts_take_over_a_finished_streams_state_and_give_the_single_pr
     assert open_streams == [2, 2]  # turn3 and turn4 are kept; turn1 and turn2 were taken over
     if speculate:
         assert spec["rounds"] > 0
+
+
+def test_requests_with_one_prompt_compute_it_once_and_each_gets_the_single_process_ids(fleet_of, solo):
+    """A request's `n` choices: the first computes the prompt, the others start as copies of it on every
+    stage (sampling each with its own seed), and every one equals its single-process run."""
+    fleet = fleet_of(2)
+    prompt = tuple(int(t) for t in np.random.default_rng(8).integers(3, 500, size=45))
+    requests = [Request("c0", prompt, SamplingParams(max_tokens=10))] + [
+        Request(f"c{i}", prompt, SamplingParams(max_tokens=10, temperature=0.8, seed=i)) for i in (1, 2)
+    ]
+    config = SchedulerConfig(stages=2, rows_per_group=16, prefill_window=16, keep_finished=0)
+    driver, results = asyncio.run(run_fleet(fleet, requests, config))
+    assert [r.tokens for r in results] == [solo(r) for r in requests]
+    cached = [r.events.get_nowait()[0].cached for r in results]
+    assert cached == [0, len(prompt) - 1, len(prompt) - 1]
+    assert driver.scheduler.reused_positions == 2 * (len(prompt) - 1)
+    assert results[1].tokens != results[2].tokens  # each copy samples on its own
 
 
 def test_a_stream_past_its_context_budget_fails_naming_the_stage_and_the_chain_keeps_serving(fleet_of, solo):

@@ -295,8 +295,8 @@ def test_kept_streams_give_way_oldest_first_and_are_given_up_when_a_frame_fails(
         _finish(s, f"k{i}", [5])
     assert [s.kept(f"k{i}") for i in range(3)] == [False, True, True]
     assert s.take_dropped() == ["k0"]
-    for rid in ("new1", "new2"):  # prompts no kept stream starts
-        s.submit(Request(rid, (50, 51, 52), SamplingParams()))
+    for rid, first in (("new1", 50), ("new2", 40)):  # prompts no kept stream starts
+        s.submit(Request(rid, (first, 51, 52), SamplingParams()))
     frames = s.next_frames()
     assert s.active == 2 and s.take_dropped() == ["k1"]  # two active and one kept fill max_streams
     s.submit(Request("third", (60, 61), SamplingParams()))
@@ -384,3 +384,58 @@ def test_a_name_still_kept_is_refused_by_the_scheduler():
         s.submit(request("a", 2))
     s.drop_kept("a")
     s.submit(request("a", 2))
+
+
+def test_a_prompt_like_a_running_ones_starts_as_a_copy_of_it_once_that_one_was_fed():
+    from cascadia.router.scheduler import copy_source
+
+    assert copy_source({"a": (1, 2, 3)}, (1, 2, 3)) == ("a", 2)  # the last token is fed again
+    assert copy_source({"a": (1, 2, 3)}, (1, 2, 9, 9)) == ("a", 2)  # all but the running one's last token
+    assert copy_source({"a": (1, 2, 3, 4)}, (1, 2, 9)) is None  # a shorter share: the source goes past it
+    s = Scheduler(SchedulerConfig(stages=2, rows_per_group=8, prefill_window=4))
+    s.set_chain_ready(True)
+    s.rewind_slack = 4
+    prompt = tuple(range(20, 30))
+    s.submit(Request("c0", prompt, SamplingParams(max_tokens=2)))
+    s.submit(Request("c1", prompt, SamplingParams(max_tokens=2, temperature=1.0)))
+    first, second = s.next_frames()  # c0's windows go down the chain; c1 waits for them
+    assert {r.stream for f in (first, second) for r in f.rows} == {"c0"}
+    s.on_frame_done(first.id, {})
+    (third,) = s.next_frames()  # c0's last window
+    assert [(r.stream, r.start) for r in third.rows] == [("c0", 8)]
+    s.on_frame_done(second.id, {})
+    (fourth,) = s.next_frames()  # sent after c0's rows: it sees them
+    (row,) = fourth.rows
+    assert (row.stream, row.opens, row.copy_from, row.start, row.tokens) == ("c1", True, "c0", 9, (29,))
+    assert s.reused_positions == 9
+    s.on_frame_done(third.id, {"c0": 5})
+    events = s.on_frame_done(fourth.id, {"c1": 6})
+    assert events[0].cached == 9
+
+
+def test_a_copy_whose_source_is_gone_or_too_far_ahead_computes_its_prompt_itself():
+    s = Scheduler(SchedulerConfig(stages=1, rows_per_group=16, prefill_window=16))
+    s.set_chain_ready(True)
+    s.rewind_slack = 2
+    prompt = tuple(range(20, 26))
+    s.submit(Request("src", prompt, SamplingParams(max_tokens=8)))
+    (frame,) = s.next_frames()
+    s.submit(Request("gone", prompt, SamplingParams()))
+    s.cancel("src")
+    s.on_frame_done(frame.id, {})
+    (frame,) = s.next_frames()
+    assert [(r.stream, r.start, r.copy_from) for r in frame.rows] == [("gone", 0, "")]
+    s.on_frame_done(frame.id, {"gone": 1})
+    s.submit(Request("late", (*prompt, 7), SamplingParams()))  # its prompt and one token more
+    s.submit(Request("later", prompt, SamplingParams()))  # its prompt: the last token is fed again
+    (frame,) = s.next_frames()
+    rows = {r.stream: (r.copy_from, r.start, r.tokens) for r in frame.rows}
+    assert rows == {"gone": ("", 6, (1,)), "late": ("gone", 6, (7,)), "later": ("gone", 5, (25,))}
+    s.on_frame_done(frame.id, dict.fromkeys(rows, 2))
+    for _ in range(2):
+        (frame,) = s.next_frames()
+        s.on_frame_done(frame.id, dict.fromkeys([r.stream for r in frame.rows], 3))
+    s.submit(Request("far", prompt, SamplingParams()))  # "gone" was fed to 9: 4 back is past the slack
+    (frame,) = s.next_frames()
+    (row,) = [r for r in frame.rows if r.stream == "far"]
+    assert (row.copy_from, row.start) == ("", 0)

@@ -552,6 +552,38 @@ class StageEngine:
         self._streams[stream] = self._streams.pop(source)
         self._far_stacks.clear()  # the lists of streams change, as on open and close
 
+    def copy(self, source: Hashable, stream: Hashable, position: int) -> None:
+        """Open `stream` holding `source`'s first `position` positions (within the rewind slack of the
+        furthest `source` was fed): prompts that start alike are computed once. `source` goes on as it was."""
+        held = self._stream(source)
+        if stream in self._streams:
+            raise StreamError(f"stream {stream!r} is already open")
+        if not 0 <= position <= held.position or held.reached - position > held.slack:
+            raise ValueError(
+                f"cannot copy stream {source!r} at {position}: it is at {held.position}, fed to {held.reached}, "
+                f"with a rewind slack of {held.slack}"
+            )
+        self.open(stream, held.context or None)
+        state = self._streams[stream]
+        if self._pool is not None:
+            count = blocks_for(position)
+            fresh = self._pool.allocate(count)
+            for arrays in (self._pool.keys, self._pool.values):
+                for array in arrays:
+                    array[fresh] = array[held.blocks[:count]]
+            state.blocks = fresh
+        else:
+            for pool in (pool for rings in self._rings for pool in rings.pools):
+                pool.data[state.ring_slot] = pool.data[held.ring_slot]
+                if pool.params is not None:
+                    pool.params[state.ring_slot] = pool.params[held.ring_slot]
+            for mine, theirs in zip(state.layers, held.layers, strict=True):
+                for copied, original in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+                    if isinstance(copied, GrowingRows) and isinstance(original, GrowingRows):
+                        copied.copy_from(original, position)
+        # the rows past `position` are `source`'s, as after a rewind: the same slack bounds a step back
+        state.position, state.reached = position, held.reached
+
     def position(self, stream: Hashable) -> int:
         return self._stream(stream).position
 

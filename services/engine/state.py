@@ -256,6 +256,14 @@ class GrowingRows:
         block_bytes = self.data[0].nbytes + (0 if self.params is None else self.params[0].nbytes)
         return (self._blocks_after_growth(rows) - self.data.shape[0]) * block_bytes
 
+    def copy_from(self, other: GrowingRows, rows: int) -> None:
+        """Hold `other`'s first `rows` positions (whole blocks: later rows are overwritten as they come)."""
+        self.reserve(rows)
+        blocks = _blocks_for(rows)
+        self.data[:blocks] = other.data[:blocks]
+        if self.params is not None and other.params is not None:
+            self.params[:blocks] = other.params[:blocks]
+
     def write(self, positions: np.ndarray, rows: np.ndarray) -> None:
         positions = np.asarray(positions)
         blocks, slots = positions // KV_BLOCK, positions % KV_BLOCK

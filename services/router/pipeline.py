@@ -365,7 +365,8 @@ class PipelineDriver:
                         mtp=row.mtp,
                         score_prompt=request.score_prompt,
                         resume_from=row.resume_from,
-                        position=row.start if row.resume_from else 0,
+                        copy_from=row.copy_from,
+                        position=row.start if row.resume_from or row.copy_from else 0,
                     )
                 )
             out.rows.append(

@@ -107,6 +107,7 @@ class Row:
     mtp: bool = False  # with `opens`: the last stage's MTP head follows this stream
     propose: int = 0  # MTP tokens the last stage drafts after this row's token
     resume_from: RequestId = ""  # with `opens`: the finished stream whose state the stream takes over at `start`
+    copy_from: RequestId = ""  # with `opens`: the open stream whose first `start` positions it starts from
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,7 @@ class _Stream:
     stage_drafts: tuple[tuple[str, tuple[int, ...]], ...] = ()  # the last stage's continuations by source
     reached: int = 0  # the furthest position sent (rejected drafts' rows included)
     resume_from: RequestId = ""  # the finished stream whose state it takes over when it opens
+    copy_of: RequestId = ""  # the running stream whose first positions it starts as a copy of
     reused: int = 0  # the prompt positions that state holds
 
     @property
@@ -253,6 +255,21 @@ def reusable(
         positions = min(common_prefix(held.tokens, prompt), len(prompt) - 1)
         reach = slack - 1 if mtp else slack
         if positions > 0 and held.reached - positions <= reach and (best is None or positions >= best[1]):
+            best = (stream, positions)
+    return best
+
+
+def copy_source(running: dict[RequestId, tuple[int, ...]], prompt: Sequence[int]) -> tuple[RequestId, int] | None:
+    """A running stream (id -> its prompt) whose prompt the new one starts with, all but its last token
+    or more (a request's `n` choices, the same question asked twice at once), and how many positions a
+    copy of it would start with: the new prompt's last token is always fed (its row gives the first
+    token). Only such a stream is copied, as it reaches those positions and before it has gone far
+    past them."""
+    best: tuple[RequestId, int] | None = None
+    for stream, theirs in running.items():
+        shared = common_prefix(theirs, prompt)
+        positions = min(shared, len(prompt) - 1)
+        if positions > 0 and shared >= len(theirs) - 1 and (best is None or positions > best[1]):
             best = (stream, positions)
     return best
 
@@ -557,6 +574,7 @@ class Scheduler:
             request = self._queue[0]
             stream = _Stream(request)
             found = self._reusable(request)
+            copied = None if found is not None else self._copyable(request)
             if found is not None:  # a kept stream becomes this one: no stream more on the stages
                 source, positions = found
                 held = self._kept.pop(source)
@@ -564,6 +582,8 @@ class Scheduler:
                 stream.reused = positions
                 self.reused_positions += positions
             else:
+                if copied is not None:  # opens once the source has been fed that far
+                    stream.copy_of, stream.position = copied
                 if len(self._active) >= self.config.max_streams:
                     return  # giving kept streams up would not make room
                 while len(self._active) + len(self._kept) >= self.config.max_streams:
@@ -576,6 +596,14 @@ class Scheduler:
         if not self._kept or not self.taking_over or request.score_prompt:
             return None
         return reusable(self._kept, request.prompt, self.rewind_slack, self._follows_mtp(request))
+
+    def _copyable(self, request: Request) -> tuple[RequestId, int] | None:
+        """A running stream this request may start as a copy of: neither the MTP head follows (its state is
+        not copied), nor is it a scored prompt or a capture."""
+        if not self.taking_over or request.score_prompt or self._follows_mtp(request):
+            return None
+        running = {i: s.request.prompt for i, s in self._active.items() if not s.mtp and not s.copy_of}
+        return copy_source(running, request.prompt)
 
     def _follows_mtp(self, request: Request) -> bool:
         return self.config.mtp_draft > 0 and speculable(request)
@@ -607,6 +635,8 @@ class Scheduler:
         for stream in prefilling:
             if budget == 0:
                 break
+            if stream.copy_of and not stream.opened and not self._copy_ready(stream):
+                continue
             prompt = stream.request.prompt
             n = min(self.config.prefill_window, budget, len(prompt) - stream.position)
             end = stream.position + n
@@ -622,8 +652,12 @@ class Scheduler:
                     mtp=stream.mtp and not stream.opened,
                     propose=self._propose(stream) if end == len(prompt) else 0,
                     resume_from="" if stream.opened else stream.resume_from,
+                    copy_from="" if stream.opened else stream.copy_of,
                 )
             )
+            if stream.copy_of and not stream.opened:
+                stream.reused = stream.position
+                self.reused_positions += stream.position
             budget -= n
         if not rows:
             return None
@@ -636,6 +670,19 @@ class Scheduler:
         frame = Frame(self._next_frame, tuple(rows), tuple(rewinds))
         self._next_frame += 1
         return frame
+
+    def _copy_ready(self, stream: _Stream) -> bool:
+        """Whether a stream waiting to start as a copy can open now: its source has been sent its positions
+        (stages run frames in order, so this frame sees them) and has not gone past the rewind slack. A
+        source gone or too far ahead leaves the stream to compute its prompt itself, from the start."""
+        source = self._active.get(stream.copy_of)
+        if source is not None and source.position < stream.position:
+            return False  # not there yet
+        if source is None or source.reached - stream.position > self.rewind_slack:
+            stream.copy_of, stream.position = "", 0
+            return True
+        stream.reached = source.reached
+        return True
 
     def _propose(self, stream: _Stream) -> int:
         """MTP tokens to ask for after this stream's next token: as many as its next round could verify."""

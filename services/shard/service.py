@@ -107,6 +107,12 @@ def check_frame(
                     "only such a stream resumes one"
                 )
             del after[source]
+        if opened.copy_from:
+            source = opened.copy_from
+            if opened.resume_from or source not in after or not 0 <= opened.position <= after[source]:
+                raise FrameRejected(f"stream '{opened.stream}': cannot copy '{source}' at {opened.position}")
+            if opened.mtp:
+                raise FrameRejected(f"stream '{opened.stream}': the MTP head does not follow a copied stream")
         try:
             sampling_params(opened.sampling)
         except ValueError as exc:
@@ -114,7 +120,7 @@ def check_frame(
         beyond = sorted(t for t in opened.sampling.logit_bias if t >= (sampled_vocab or vocab))
         if beyond:
             raise FrameRejected(f"stream '{opened.stream}': logit_bias names token {beyond[0]}, beyond the vocabulary")
-        after[opened.stream] = opened.position if opened.resume_from else 0
+        after[opened.stream] = opened.position if opened.resume_from or opened.copy_from else 0
         if opened.mtp and mtp_depths == 0:
             raise FrameRejected(f"stream '{opened.stream}' asks for MTP drafts but this stage has no MTP head")
     mtp = mtp_streams | {o.stream for o in frame.opens if o.mtp}
@@ -350,6 +356,8 @@ class ShardServicer(rpc.ShardServicer):
                     drafter.adopt(opened.resume_from, opened.stream, opened.position)
                 if capture is not None:
                     capture.closed(opened.resume_from)
+            elif opened.copy_from:
+                engine.copy(opened.copy_from, opened.stream, opened.position)
             else:
                 engine.open(opened.stream, opened.context or None)
                 if drafter is not None and opened.mtp:
