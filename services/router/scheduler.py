@@ -599,8 +599,9 @@ class Scheduler:
 
     def _copyable(self, request: Request) -> tuple[RequestId, int] | None:
         """A running stream this request may start as a copy of: neither the MTP head follows (its state is
-        not copied), nor is it a scored prompt or a capture."""
-        if not self.taking_over or request.score_prompt or self._follows_mtp(request):
+        not copied), nor is it a scored prompt or a capture. A copy steps its source's state back at least
+        one position (its last prompt token is fed again), so without a rewind slack there is none."""
+        if self.rewind_slack < 1 or not self.taking_over or request.score_prompt or self._follows_mtp(request):
             return None
         running = {i: s.request.prompt for i, s in self._active.items() if not s.mtp and not s.copy_of}
         return copy_source(running, request.prompt)
