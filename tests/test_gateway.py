@@ -8,6 +8,7 @@ import concurrent.futures
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -28,7 +29,7 @@ from cascadia.engine.grammar import GrammarVocabulary, cfg_grammar, choice_gramm
 from cascadia.engine.sampling import SamplingParams
 from cascadia.engine.settings import EngineSettings
 from cascadia.gateway.text import TextCodec
-from cascadia.gateway.tools import CALL_CLOSE, CALL_OPEN, markup_grammar, split_calls
+from cascadia.gateway.tools import CALL_CLOSE, CALL_OPEN, markup_grammar, split_calls, tool_calls_schema
 from cascadia.model.checkpoint import load_stage
 from cascadia.model.config import load_shape
 from cascadia.router.local import free_port
@@ -82,13 +83,15 @@ def gateway_process(tiny, live, tmp_path):
     """Start one more `cascadia gateway` over the same router, with other settings."""
     started: list[subprocess.Popen] = []
 
-    def start(*options: str, keys: bool = False, router: str | None = None, ready: bool = True):
+    def start(
+        *options: str, keys: bool = False, router: str | None = None, ready: bool = True, model: Path | None = None
+    ):
         port = free_port()
         env = {k: v for k, v in os.environ.items() if k != "CASCADIA_API_KEYS"}
         if keys:
             env["CASCADIA_API_KEYS"] = ",".join(KEYS)
         cmd = [sys.executable, "-m", "cascadia.cli", "gateway", "--router", router or live.router]
-        cmd += ["--model", str(tiny), "--port", str(port), *options]
+        cmd += ["--model", str(model or tiny), "--served-model-name", MODEL, "--port", str(port), *options]
         log = tmp_path / f"gateway-{port}.log"
         process = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
         started.append(process)
@@ -472,6 +475,42 @@ def test_a_conversations_next_turn_takes_over_the_last_turns_state_and_answers_a
     assert _router_stats(live).reused_positions >= cached
     metrics = httpx.get(live.base + "/metrics").text
     assert float(re.search(r"cascadia_cached_prompt_tokens_total ([0-9.e+]+)", metrics).group(1)) >= cached
+
+
+def test_a_template_that_writes_calls_its_own_way_gets_a_bare_list_of_calls_as_the_engine_does(
+    live, solo, gateway_process, tiny, tmp_path
+):
+    """The markup is not this model's: auto is refused, and a required call is held to a JSON list."""
+    own = tmp_path / "own-template"
+    shutil.copytree(tiny, own)
+    config = json.loads((own / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% for t in tools or [] %}[{{ t['function']['name'] }}]{% endfor %}assistant:"
+    )
+    (own / "tokenizer_config.json").write_text(json.dumps(config))
+    codec = TextCodec.from_directory(own)
+    assert codec.takes_tools and not codec.knows_call_markup
+    base, _ = gateway_process(model=own)
+    client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": "What is the weather in Paris, and the time?"}]
+    with pytest.raises(openai.BadRequestError, match="another way"):
+        client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=8)
+    asked = {"tools": TOOLS, "tool_choice": "required", "max_tokens": 150, "temperature": 0}
+    out = client.chat.completions.create(model=MODEL, messages=messages, **asked)
+    schema = tool_calls_schema({"get_weather": WEATHER_ARGS, "get_time": CLOCK_ARGS}, parallel=True)
+    ids = solo(codec.encode_chat(messages, TOOLS), 150, grammar=json_grammar(schema))
+    expected = json.loads(expected_text(codec, ids))
+    assert out.choices[0].finish_reason == "tool_calls" and out.choices[0].message.content is None
+    assert _calls(out.choices[0].message.tool_calls) == _calls_of_list(expected)
+    streamed = [c for c in client.chat.completions.create(model=MODEL, messages=messages, stream=True, **asked)]
+    deltas = [call for c in streamed if c.choices for call in c.choices[0].delta.tool_calls or ()]
+    assert [d.index for d in deltas] == list(range(len(expected))) and _calls(deltas) == _calls_of_list(expected)
+    assert streamed[-1].choices[0].finish_reason == "tool_calls"
+
+
+def _calls_of_list(calls: list[dict]) -> list[tuple[str, dict]]:
+    return [(c["name"], c["arguments"]) for c in calls]
 
 
 def test_a_named_tool_without_parallel_calls_gives_one_call_of_it_and_results_round_trip(live, solo):

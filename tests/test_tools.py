@@ -15,7 +15,9 @@ from cascadia.gateway.tools import (
     CALL_CLOSE,
     CALL_OPEN,
     CallReader,
+    ListReader,
     markup_grammar,
+    read_calls,
     split_calls,
     tool_calls,
     tool_calls_schema,
@@ -61,6 +63,20 @@ def test_text_that_holds_no_whole_call_comes_back_as_it_was_written(text):
     parts = [p for ch in text for p in reader.feed(ch)] + reader.close()
     assert all(isinstance(p, str) for p in parts) and "".join(parts) == text
     assert split_calls(text) == (text, [])
+
+
+def test_a_bare_list_of_calls_is_settled_when_the_answer_ends():
+    whole = json.dumps([{"name": "ping", "arguments": {"n": 3}}, {"name": "get_time", "arguments": {"zone": "UTC"}}])
+    reader = ListReader()
+    assert [p for i in range(0, len(whole), 7) for p in reader.feed(whole[i : i + 7])] == []
+    calls = reader.close()
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("ping", {"n": 3}),
+        ("get_time", {"zone": "UTC"}),
+    ]
+    assert reader.calls == 2
+    cut = whole[:-9]  # max_tokens ended it: the text as written
+    assert read_calls(ListReader(), cut) == (cut, [])
 
 
 def test_text_that_could_still_open_a_call_is_held_back_until_it_cannot():

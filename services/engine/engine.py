@@ -564,14 +564,19 @@ class StageEngine:
                 f"with a rewind slack of {held.slack}"
             )
         self.open(stream, held.context or None)
-        state = self._streams[stream]
+        try:
+            self._copy_rows(held, self._streams[stream], position)
+        except Exception:  # a budget exceeded: nothing is left open
+            self.close(stream)
+            raise
+
+    def _copy_rows(self, held: StreamState, state: StreamState, position: int) -> None:
         if self._pool is not None:
             count = blocks_for(position)
-            fresh = self._pool.allocate(count)
+            state.blocks = self._pool.allocate(count)
             for arrays in (self._pool.keys, self._pool.values):
                 for array in arrays:
-                    array[fresh] = array[held.blocks[:count]]
-            state.blocks = fresh
+                    array[state.blocks] = array[held.blocks[:count]]
         else:
             for pool in (pool for rings in self._rings for pool in rings.pools):
                 pool.data[state.ring_slot] = pool.data[held.ring_slot]
@@ -581,7 +586,7 @@ class StageEngine:
                 for copied, original in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
                     if isinstance(copied, GrowingRows) and isinstance(original, GrowingRows):
                         copied.copy_from(original, position)
-        # the rows past `position` are `source`'s, as after a rewind: the same slack bounds a step back
+        # the rows past `position` are the source's, as after a rewind: the same slack bounds a step back
         state.position, state.reached = position, held.reached
 
     def position(self, stream: Hashable) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -63,9 +64,9 @@ from cascadia.gateway.tools import (
     CALL_CLOSE,
     CALL_OPEN,
     CallReader,
+    ListReader,
     markup_grammar,
-    split_calls,
-    tool_calls,
+    read_calls,
     tool_calls_schema,
 )
 
@@ -177,6 +178,9 @@ class ToolAnswer:
     grammar: str
     markup: bool
 
+    def reader(self) -> CallReader | ListReader:
+        return CallReader() if self.markup else ListReader()
+
 
 @dataclass
 class Gateway:
@@ -261,6 +265,12 @@ class Gateway:
             raise bad_request(f"Invalid '{param}': {exc}", param) from None
         return grammar
 
+    @functools.cached_property
+    def special_call_tags(self) -> tuple[str, ...]:
+        """The call tags the tokenizer holds as tokens of their own (a grammar names them rather than spells)."""
+        vocabulary = self.vocabulary
+        return tuple(t for t in (CALL_OPEN, CALL_CLOSE) if vocabulary is not None and vocabulary.is_special(t))
+
     def check_grammars_served(self, param: str) -> None:
         if self.vocabulary is None or not self.codec.stop_token_ids:
             raise bad_request(
@@ -300,8 +310,7 @@ class Gateway:
         parallel = body.parallel_tool_calls is not False
         try:
             if markup:
-                assert self.vocabulary is not None  # check_grammars_served
-                special = [tag for tag in (CALL_OPEN, CALL_CLOSE) if self.vocabulary.is_special(tag)]
+                special = self.special_call_tags
                 grammar = cfg_grammar(markup_grammar(tools, parallel, prose=choice == "auto", special=special))
             else:
                 grammar = json_grammar(tool_calls_schema(tools, parallel))
@@ -497,20 +506,15 @@ def _template_call(call: dict[str, Any]) -> dict[str, Any]:
 
 
 def _answer(text: str, finish_reason: str | None, tools: ToolAnswer | None) -> tuple[dict[str, Any], str | None]:
-    """The assistant's message and finish reason. Calls become `tool_calls`; a bare list of calls cut short
-    (by max_tokens or a stop string) stays content, as the model wrote it, as does a call left open."""
+    """The assistant's message and finish reason: whole calls become `tool_calls`; a call cut short (by
+    max_tokens or a stop string) stays content, as the model wrote it."""
     if tools is None:
         return {"content": text}, finish_reason
-    if tools.markup:
-        prose, calls = split_calls(text)
-        if not calls:
-            return {"content": text}, finish_reason
-        finish = "tool_calls" if finish_reason == "stop" else finish_reason
-        return {"content": prose if prose.strip() else None, "tool_calls": calls}, finish
-    if finish_reason == "stop":
-        with contextlib.suppress(ValueError, KeyError, TypeError):  # a stop string cut the calls short
-            return {"content": None, "tool_calls": tool_calls(text)}, "tool_calls"
-    return {"content": text}, finish_reason
+    prose, calls = read_calls(tools.reader(), text)
+    if not calls:
+        return {"content": text}, finish_reason
+    finish = "tool_calls" if finish_reason == "stop" else finish_reason
+    return {"content": prose if prose.strip() else None, "tool_calls": calls}, finish
 
 
 def _chat_logprobs(tokens: list[TokenLogprob]) -> ChoiceLogprobs:
@@ -729,29 +733,13 @@ def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, ke
         gateway.limiter.acquire(key)
         if body.stream:
             started: set[int] = set()
-            held: dict[int, str] = {}  # a bare list of calls, sent whole as tool_calls once it is complete
-            readers: dict[int, CallReader] = {}  # calls in the markup, each sent once it is whole
-            list_calls = tools_answer is not None and not tools_answer.markup
+            readers: dict[int, CallReader | ListReader] = {}  # each call is sent once it is whole
 
             def chunk(index: int, delta: Delta) -> dict | None:
                 first = index not in started
                 text, calls, finish = delta.text, [], delta.finish_reason
-                if list_calls:
-                    held[index] = held.get(index, "") + text
-                    text = ""
-                    if delta.finish_reason:
-                        answer, finish = _answer(held.pop(index), delta.finish_reason, tools_answer)
-                        for i, call in enumerate(answer.get("tool_calls") or ()):
-                            call["index"] = i  # a streamed call says which one it extends
-                        if first:
-                            answer["role"] = "assistant"
-                        started.add(index)
-                        choice = {"index": index, "delta": answer, "logprobs": None, "finish_reason": finish}
-                        return envelope.chunk(choice)
-                    if not first:
-                        return None
-                elif tools_answer is not None:
-                    reader = readers.setdefault(index, CallReader())
+                if tools_answer is not None:
+                    reader = readers.setdefault(index, tools_answer.reader())
                     before = reader.calls
                     parts = [*reader.feed(text), *(reader.close() if finish else ())]
                     text = "".join(p for p in parts if isinstance(p, str))
@@ -765,11 +753,11 @@ def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, ke
                 if first:
                     content["role"] = "assistant"
                 if text or first:
-                    content["content"] = None if list_calls else text
+                    content["content"] = text
                 if calls:
                     content["tool_calls"] = calls
                 started.add(index)
-                logprobs = _chat_logprobs(delta.tokens).model_dump() if body.logprobs and not list_calls else None
+                logprobs = _chat_logprobs(delta.tokens).model_dump() if body.logprobs else None
                 choice = {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": finish}
                 return envelope.chunk(choice)
 

@@ -155,11 +155,38 @@ class CallReader:
         return [held] if held else []
 
 
-def split_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """An answer's prose and whole calls."""
-    reader = CallReader()
+class ListReader:
+    """A bare JSON list of calls (`tool_calls_schema`), read as `CallReader` reads the markup: nothing is
+    settled until the answer ends; then its calls, or the text as written when it is not a whole list
+    (cut short)."""
+
+    def __init__(self) -> None:
+        self.held = ""
+        self.calls = 0
+
+    def feed(self, text: str) -> list[str | dict[str, Any]]:
+        self.held += text
+        return []
+
+    def close(self) -> list[str | dict[str, Any]]:
+        held, self.held = self.held, ""
+        try:
+            calls = tool_calls(held)
+        except (ValueError, KeyError, TypeError):
+            return [held] if held else []
+        self.calls = len(calls)
+        return list(calls)
+
+
+def read_calls(reader: CallReader | ListReader, text: str) -> tuple[str, list[dict[str, Any]]]:
+    """A whole answer's prose and calls, as `reader` reads them."""
     parts = [*reader.feed(text), *reader.close()]
     return "".join(p for p in parts if isinstance(p, str)), [p for p in parts if isinstance(p, dict)]
+
+
+def split_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """An answer's prose and whole calls in the markup."""
+    return read_calls(CallReader(), text)
 
 
 def tools_instructions(tools: Iterable[dict[str, Any]]) -> str:
