@@ -478,6 +478,14 @@ def router(
             "a conversation's next turn (0: none).",
         ),
     ] = 8,
+    min_shared_prefix: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Tokens a prompt must share with a recent one, and go on differently, to leave a kept copy of "
+            "its state where they part, which later prompts that start alike begin from (0: none).",
+        ),
+    ] = 32,
 ) -> None:
     """Admission, pipeline groups, sampling parameters and speculative rounds over a chain of shards."""
     import logging
@@ -505,6 +513,7 @@ def router(
         frames_in_flight,
         draft_rows,
         keep_finished,
+        min_shared_prefix,
     )
     driver = PipelineDriver(addrs, collect, config, frame_timeout, _proposer(draft) if max_draft else None)
 
@@ -1357,6 +1366,25 @@ def bench_turns(
     summary = run_turns_bench(config, err)
     speedups = {t["turn"]: round(t["paired_speedup"], 2) for t in summary["turns"]}
     sys.stdout.write(json.dumps({"ttft_speedup_by_turn": speedups}) + "\n")
+
+
+@bench_app.command("prefix")
+def bench_prefix(
+    model: Annotated[str, typer.Option(help=MODEL_HELP)] = "smollm2-135m",
+    out: Annotated[Path, typer.Option(help="Directory for JSON and PNG results.")] = Path("bench-out/prefix"),
+    shards: Annotated[int, typer.Option(min=1)] = 2,
+    users: Annotated[int, typer.Option(min=3, help="Users asking after one system prompt, one after another.")] = 6,
+    repeats: Annotated[int, typer.Option(min=1, help="Rounds of users per mode (median reported).")] = 3,
+    answer_tokens: Annotated[int, typer.Option(min=1, help="Most tokens of each answer.")] = 48,
+    system: Annotated[int, typer.Option(min=1, help="Times the system prompt says its passage.")] = 4,
+) -> None:
+    """Users sharing a system prompt: time to first token with kept copies of shared prefixes and without."""
+    from cascadia.bench.prefix import PrefixBenchConfig, run_prefix_bench
+
+    config = PrefixBenchConfig(resolve_model(model), out, shards, users, repeats, answer_tokens, system)
+    summary = run_prefix_bench(config, err)
+    speedups = {u["user"]: round(u["paired_speedup"], 2) for u in summary["users"]}
+    sys.stdout.write(json.dumps({"ttft_speedup_by_user": speedups}) + "\n")
 
 
 @bench_app.command("mtp")

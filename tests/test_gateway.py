@@ -33,6 +33,7 @@ from cascadia.gateway.tools import CALL_CLOSE, CALL_OPEN, markup_grammar, split_
 from cascadia.model.checkpoint import load_stage
 from cascadia.model.config import load_shape
 from cascadia.router.local import free_port
+from cascadia.router.scheduler import common_prefix
 from cascadia.shard.service import pb, rpc
 from tests.helpers import next_token_log_probs, print_logs
 from tests.test_grammar import SCHEMA, conforms
@@ -475,6 +476,24 @@ def test_a_conversations_next_turn_takes_over_the_last_turns_state_and_answers_a
     assert _router_stats(live).reused_positions >= cached
     metrics = httpx.get(live.base + "/metrics").text
     assert float(re.search(r"cascadia_cached_prompt_tokens_total ([0-9.e+]+)", metrics).group(1)) >= cached
+
+
+def test_users_sharing_a_system_prompt_start_from_a_kept_copy_of_it_and_answer_as_the_engine_does(live, solo):
+    client = live.client()
+    system = {"role": "system", "content": "You keep the lighthouse log. " * 4 + "Answer in a few words."}
+    questions = ["Where is the lamp?", "Tell me of the storm.", "Name the keeper."]
+    prompts, cached = [], []
+    for question in questions:
+        messages = [system, {"role": "user", "content": question}]
+        reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0)
+        prompts.append(live.codec.encode_chat(messages))
+        assert reply.choices[0].message.content == expected_text(live.codec, solo(prompts[-1], 40))
+        cached.append(reply.usage.prompt_tokens_details.cached_tokens)
+    shared = common_prefix(prompts[0], prompts[1])
+    assert shared == common_prefix(prompts[1], prompts[2]) > 100  # the system prompt, where the questions part
+    # the second leaves a copy where it parts from the first: the third starts from it (or, had the second's
+    # answer ended within the rewind slack, from its finished stream)
+    assert cached == [0, 0, shared]
 
 
 def test_a_template_that_writes_calls_its_own_way_gets_a_bare_list_of_calls_as_the_engine_does(

@@ -294,6 +294,7 @@ def test_an_invalid_spec_is_rejected_by_kubectl_naming_the_field(kube, api, inst
         (lambda s: s["nodes"].update(memory="sixty-four gigs"), "spec.nodes.memory"),
         (lambda s: s["precision"].update(experts="int3"), "spec.precision.experts"),
         (lambda s: s.update(cpuAmx="sometimes"), "spec.cpuAmx"),
+        (lambda s: s["serving"].update(keepFinished=-1), "spec.serving.keepFinished"),
         (lambda s: s.pop("nodes"), "spec.nodes"),
     ]
     for change, field in bad:

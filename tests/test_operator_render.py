@@ -127,6 +127,20 @@ def test_the_spec_s_amx_choice_reaches_every_shard():
         assert container["args"][container["args"].index("--device") + 1] == "CPU"
 
 
+def test_the_router_keeps_as_many_finished_streams_and_shared_prefixes_as_the_spec_says():
+    def router_args(spec: dict) -> list[str]:
+        _, children = rendered(spec)
+        router = next(c for c in children if c["metadata"]["name"] == "inkling-router" and c["kind"] == "Deployment")
+        return router["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    args = router_args(example_spec())
+    assert (args[args.index("--keep-finished") + 1], args[args.index("--min-shared-prefix") + 1]) == ("8", "32")
+    spec = example_spec()
+    spec["serving"].update(keepFinished=0, minSharedPrefix=256)
+    args = router_args(spec)
+    assert (args[args.index("--keep-finished") + 1], args[args.index("--min-shared-prefix") + 1]) == ("0", "256")
+
+
 def test_draft_service_is_rendered_and_the_router_drafts_through_it():
     spec = example_spec()
     spec["draft"] = {"enabled": True, "replicas": 2, "maxDraft": 5, "minSharedAgreement": 0.95}

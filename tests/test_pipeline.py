@@ -348,7 +348,8 @@ def test_later_prompts_take_over_a_finished_streams_state_and_give_the_single_pr
     from cascadia.draft.client import LocalProposer
 
     fleet = fleet_of(2)
-    config = SchedulerConfig(stages=2, rows_per_group=16, prefill_window=16)
+    # turn4 shares turn1's first 40 tokens: no copy of them is left here (the next test leaves some)
+    config = SchedulerConfig(stages=2, rows_per_group=16, prefill_window=16, min_shared_prefix=0)
     prompt = tuple(int(t) for t in np.random.default_rng(3).integers(3, 500, size=40))
 
     async def go():
@@ -400,6 +401,39 @@ def test_later_prompts_take_over_a_finished_streams_state_and_give_the_single_pr
     assert open_streams == [2, 2]  # turn3 and turn4 are kept; turn1 and turn2 were taken over
     if speculate:
         assert spec["rounds"] > 0
+
+
+def test_prompts_sharing_a_system_prompt_start_from_a_kept_copy_of_it_and_give_the_single_process_ids(fleet_of, solo):
+    """Two prompts that start alike and part (one system prompt, other questions) leave a copy of the
+    stream where they part; later prompts that start alike begin as copies of it on every stage, and the
+    ids are still exactly the single-process ones."""
+    fleet = fleet_of(2)
+    rng = np.random.default_rng(12)
+    system = tuple(int(t) for t in rng.integers(3, 500, size=45))
+    # questions longer than the rewind slack: no prompt takes another's finished stream over
+    questions = [tuple(int(t) for t in rng.integers(3, 500, size=40)) for _ in range(4)]
+    requests = [Request("q0", system + questions[0], SamplingParams(max_tokens=8))]
+    requests.append(Request("q1", system + questions[1], SamplingParams(max_tokens=8)))
+    requests.append(Request("q2", system + questions[2], SamplingParams(max_tokens=8, temperature=0.8, seed=4)))
+    requests.append(Request("q3", system[:40] + questions[3], SamplingParams(max_tokens=8)))  # 5 short of it
+    config = SchedulerConfig(stages=2, rows_per_group=16, prefill_window=16)
+
+    async def go():
+        driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, config)
+        await driver.start()
+        try:
+            await driver.wait_ready(timeout=120)
+            done = [await driver.generate(r) for r in requests]
+            return done, [s.open_streams for s in await driver.stage_stats()], driver.scheduler.reused_positions
+        finally:
+            await driver.stop()
+
+    done, open_streams, reused = asyncio.run(go())
+    assert [p.tokens for p in done] == [solo(r) for r in requests]
+    cached = [p.events.get_nowait()[0].cached for p in done]
+    assert cached == [0, 0, len(system), 40]  # q3 steps the copy back to where it parts from the system prompt
+    assert reused == len(system) + 40
+    assert open_streams == [5, 5]  # the four finished streams and the system prompt's copy
 
 
 def test_requests_with_one_prompt_compute_it_once_and_each_gets_the_single_process_ids(fleet_of, solo):

@@ -17,7 +17,7 @@ from cascadia.engine.settings import EngineSettings
 from cascadia.model.checkpoint import load_stage
 from cascadia.model.config import load_shape
 from cascadia.router.limits import UNREPORTED, FleetLimits, check_request, fleet_limits
-from cascadia.router.scheduler import Overloaded, Request, Scheduler, SchedulerConfig
+from cascadia.router.scheduler import Frame, Overloaded, Request, Scheduler, SchedulerConfig
 
 
 def request(rid: str, length: int, max_tokens: int = 4, stop: frozenset[int] = frozenset()) -> Request:
@@ -439,3 +439,120 @@ def test_a_copy_whose_source_is_gone_or_too_far_ahead_computes_its_prompt_itself
     (frame,) = s.next_frames()
     (row,) = [r for r in frame.rows if r.stream == "far"]
     assert (row.copy_from, row.start) == ("", 0)
+
+
+def test_common_prefix_agrees_with_a_token_by_token_count():
+    from cascadia.router.scheduler import common_prefix
+
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        a = tuple(int(t) for t in rng.integers(0, 3, rng.integers(0, 40)))
+        b = a[: rng.integers(0, len(a) + 1)] + tuple(int(t) for t in rng.integers(0, 3, rng.integers(0, 10)))
+        naive = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), min(len(a), len(b)))
+        assert common_prefix(a, b) == common_prefix(b, a) == naive
+
+
+def test_a_shared_prefix_is_worth_a_copy_only_past_what_is_served_and_copies_step_back_within_the_slack():
+    from cascadia.router.scheduler import Kept, prefix_source, shared_prefix
+
+    recent = [(1, 2, 3, 4, 5, 6), (1, 2, 9)]
+    assert shared_prefix(recent, (1, 2, 3, 4, 8), served=0, shortest=4) == 4
+    assert shared_prefix(recent, (1, 2, 3, 4, 8), served=1, shortest=4) == 0  # 3 past what a copy gives
+    assert shared_prefix(recent, (1, 2, 3, 4, 8), served=0, shortest=0) == 0  # switched off
+    assert shared_prefix([], (1, 2), served=0, shortest=1) == 0
+    kept = {
+        "conversation": Kept((1, 2, 3, 4, 5), reached=5),  # taken over, never copied
+        "p": Kept((1, 2, 3, 4), reached=6, prefix=True),
+    }
+    assert prefix_source(kept, (1, 2, 3, 4, 7, 7), slack=2) == ("p", 4)
+    assert prefix_source(kept, (1, 2, 3, 4), slack=2) is None  # 3 positions (the last is fed): 3 back
+    assert prefix_source(kept, (1, 2, 3, 4), slack=3) == ("p", 3)
+    assert prefix_source(kept, (5, 1), slack=8) is None
+
+
+def _run_prompt(s: Scheduler, rid: str, prompt: tuple[int, ...], token: int = 1) -> list[Frame]:
+    """Submit `prompt` for one token and run frames until it is out; returns the frames sent."""
+    s.submit(Request(rid, prompt, SamplingParams(max_tokens=1)))
+    frames = []
+    while s.active or s.queued:
+        (frame,) = s.next_frames()
+        frames.append(frame)
+        s.on_frame_done(frame.id, {r.stream: token for r in frame.rows if r.wants_token})
+    return frames
+
+
+def test_prompts_that_part_after_a_shared_prefix_leave_a_kept_copy_that_later_prompts_start_from():
+    s = Scheduler(SchedulerConfig(stages=1, rows_per_group=16, prefill_window=8, min_shared_prefix=8))
+    s.set_chain_ready(True)
+    s.rewind_slack = 4
+    system = tuple(range(100, 120))
+    _run_prompt(s, "a", (*system, *range(10)))  # kept, yet too far past 20 to step back to it
+    assert s.kept_streams == 1  # "a" alone: no prompt shared its start yet
+    frames = _run_prompt(s, "b", (*system, 4, 5, 6))  # shares 20 tokens with "a": leaves a copy at 20
+    prefix_rows = [r for f in frames for r in f.rows if r.prefix]
+    assert [(r.start, r.tokens, r.copy_from, r.opens, r.wants_token) for r in prefix_rows] == [
+        (19, (119,), "b", True, False)
+    ]
+    name = prefix_rows[0].stream
+    assert s.kept(name) and s.kept_streams == 3
+    earlier = s.reused_positions
+    s.submit(Request("c", (*system, 7, 8), SamplingParams(max_tokens=2)))
+    (frame,) = s.next_frames()
+    (row,) = frame.rows
+    assert (row.copy_from, row.start, row.tokens, row.resume_from) == (name, 20, (7, 8), "")
+    assert s.on_frame_done(frame.id, {"c": 9})[0].cached == 20 and s.reused_positions == earlier + 20
+    assert s.kept(name)  # copied, not taken over: later prompts start from it too
+    (frame,) = s.next_frames()
+    s.on_frame_done(frame.id, {"c": 9})
+    assert [r.prefix for f in frames for r in f.rows].count(True) == 1  # "c" was served: no second copy
+
+
+def test_a_shared_prefix_on_its_way_is_given_up_with_its_frame_or_with_the_kept_streams():
+    config = SchedulerConfig(stages=1, rows_per_group=64, prefill_window=64, min_shared_prefix=4)
+    system = tuple(range(100, 110))
+    s = Scheduler(config)
+    s.set_chain_ready(True)
+    s.rewind_slack = 2
+    _run_prompt(s, "a", (*system, 1))
+    frames = _run_prompt(s, "b", (*system, *range(20, 30)))  # takes "a" over: served as far as they share
+    assert not any(r.prefix for f in frames for r in f.rows) and s.kept_streams == 1
+    s.submit(Request("c", (*system, 2, 3), SamplingParams(max_tokens=3)))
+    (frame,) = s.next_frames()
+    assert [(r.stream, r.start, len(r.tokens)) for r in frame.rows] == [("c", 0, 9)]  # stops where they part
+    s.on_frame_done(frame.id, {})
+    (frame,) = s.next_frames()
+    prefix, rest = frame.rows
+    assert (prefix.prefix, prefix.start, prefix.copy_from, rest.stream, rest.start) == (True, 9, "c", "c", 9)
+    s.on_frame_failed(frame.id)
+    assert s.kept_streams == 0 and prefix.stream in s.take_dropped()  # the stages that saw it close it
+    s.submit(Request("d", (*system, 2, 4), SamplingParams(max_tokens=1)))
+    (frame,) = s.next_frames()
+    assert frame.rows[0].copy_from == "" and frame.rows[0].tokens == system  # nothing kept to start from
+    s.on_frame_done(frame.id, {})
+    (frame,) = s.next_frames()
+    (prefix,) = [r for r in frame.rows if r.prefix]  # "d" shares 11 tokens with "c"
+    s.drop_all_kept()  # a stage came back: the copy on its way is given up too
+    s.on_frame_done(frame.id, {"d": 5})
+    assert not s.kept(prefix.stream) and prefix.stream in s.take_dropped() and s.kept("d")
+
+
+def test_shared_prefixes_count_as_kept_streams_and_the_one_last_copied_gives_way_last():
+    s = Scheduler(SchedulerConfig(stages=1, rows_per_group=64, prefill_window=64, keep_finished=3))
+    s.set_chain_ready(True)
+    s.rewind_slack = 8
+    system = tuple(range(100, 140))
+    tails = {"a": range(10), "b": range(20, 30), "e": range(30, 40)}  # past the slack: none takes another over
+    for rid in ("a", "b"):
+        _run_prompt(s, rid, (*system, *tails[rid]))
+    assert [s.kept(k) for k in ("a", "prefix-1", "b")] == [True] * 3  # oldest first
+    _run_prompt(s, "e", (*system, *tails["e"]))  # a copy of prefix-1, which now gives way after "b"
+    assert s.reused_positions == 40 and s.take_dropped() == ["a"]
+    _run_prompt(s, "f", (7, 8, 9))
+    assert s.take_dropped() == ["b"] and s.kept("prefix-1") and s.kept_streams == 3
+    none = Scheduler(SchedulerConfig(stages=1, rows_per_group=64, prefill_window=64, keep_finished=0))
+    none.set_chain_ready(True)
+    none.rewind_slack = 8
+    for rid in ("a", "b"):
+        assert not any(r.prefix for f in _run_prompt(none, rid, (*system, *tails[rid])) for r in f.rows)
+    with pytest.raises(ValueError, match="min_shared_prefix"):
+        SchedulerConfig(stages=1, min_shared_prefix=-1)

@@ -151,6 +151,20 @@ SPEC = _object(
                 "maxStreams": _int("Concurrent streams (the KV budget is sized for them).", 1, 4096, 88),
                 "contextBudget": _int("Global-layer positions per stream.", 64, 524288, 1024),
                 "maxQueue": _int("Requests waiting beyond which the router answers overloaded.", 0, 100000, 1024),
+                "keepFinished": _int(
+                    "Finished streams the shards keep (within maxStreams), so that a prompt that starts with "
+                    "one's tokens, such as a conversation's next turn, computes only the rest.",
+                    0,
+                    4096,
+                    8,
+                ),
+                "minSharedPrefix": _int(
+                    "Tokens a prompt must share with a recent one, and go on differently, to leave a kept copy "
+                    "of its state where they part (one system prompt, other questions); 0: none.",
+                    0,
+                    524288,
+                    32,
+                ),
                 "shardUnreadyGraceSeconds": _int("A shard unready this long marks the fleet Degraded.", 0, 86400, 300),
             },
         ),

@@ -273,6 +273,7 @@ def router_children(fleet: Fleet, plan: FleetPlan) -> list[dict[str, Any]]:
         "--collect", f"0.0.0.0:{COLLECT_PORT}",
         "--rows-per-group", str(serving["rowsPerGroup"]), "--prefill-window", str(serving["prefillWindow"]),
         "--max-streams", str(serving["maxStreams"]), "--max-queue", str(serving["maxQueue"]),
+        "--keep-finished", str(serving["keepFinished"]), "--min-shared-prefix", str(serving["minSharedPrefix"]),
     ]  # fmt: skip
     draft = spec.get("draft")
     if draft.get("enabled"):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from rich.console import Console
@@ -36,3 +38,24 @@ def drive_local_fleet(
         return asyncio.run(go())
     finally:
         fleet.stop()
+
+
+@dataclass(frozen=True)
+class Answered:
+    tokens: list[int]
+    cached: int  # prompt positions the stream started with (taken over or copied)
+    ttft_s: float  # from submission to the first token
+
+
+async def answer(driver: Any, request_id: str, prompt: Sequence[int], params: Any) -> Answered:
+    """One request through `driver`, timed from its submission to its first token."""
+    from cascadia.router.scheduler import Request
+
+    started = time.perf_counter()
+    pending = await driver.submit(Request(request_id, tuple(prompt), params))
+    await pending.done.wait()
+    driver.release(request_id)
+    if pending.error:
+        raise RuntimeError(f"request {request_id}: {pending.error}")
+    first, _ = pending.events.get_nowait()
+    return Answered(list(pending.tokens), first.cached, pending.first_token_at - started)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -52,7 +51,7 @@ def conversation_turns(turns: int, opening_repeats: int) -> list[str]:
 
 
 async def _conversation(driver, codec, config: TurnsBenchConfig, tag: str) -> list[dict[str, Any]]:
-    from cascadia.router.scheduler import Request
+    from cascadia.bench.driving import answer
 
     messages: list[dict[str, Any]] = []
     out = []
@@ -60,15 +59,9 @@ async def _conversation(driver, codec, config: TurnsBenchConfig, tag: str) -> li
         messages.append({"role": "user", "content": text})
         prompt = codec.encode_chat(messages)
         params = SamplingParams(max_tokens=config.answer_tokens, stop_ids=codec.stop_token_ids)
-        started = time.perf_counter()
-        pending = await driver.submit(Request(f"{tag}-{turn}", tuple(prompt), params))
-        await pending.done.wait()
-        driver.release(f"{tag}-{turn}")
-        if pending.error:
-            raise RuntimeError(f"turn {turn}: {pending.error}")
-        first, _ = pending.events.get_nowait()
-        out.append({"prompt_tokens": len(prompt), "cached": first.cached, "ttft_s": pending.first_token_at - started})
-        messages.append({"role": "assistant", "content": codec.decode(pending.tokens)})
+        answered = await answer(driver, f"{tag}-{turn}", prompt, params)
+        out.append({"prompt_tokens": len(prompt), "cached": answered.cached, "ttft_s": answered.ttft_s})
+        messages.append({"role": "assistant", "content": codec.decode(answered.tokens)})
     return out
 
 

@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cascadia import tls
 from cascadia.draft.client import Proposer
+from cascadia.engine.sampling import SamplingParams
 from cascadia.frame_stream import FrameStream
 from cascadia.router.limits import UNREPORTED, FleetLimits, check_request, fleet_limits
 from cascadia.router.scheduler import (
@@ -356,14 +357,15 @@ class PipelineDriver:
         out = pb.Frame(frame_id=frame.id)
         for row in frame.rows:
             if row.opens:
-                request = self._pending[row.stream].request
-                sampling = sampling_message(request.params)
+                # a shared prefix has no request: it samples nothing
+                request = None if row.prefix else self._pending[row.stream].request
+                sampling = sampling_message(request.params if request else SamplingParams())
                 out.opens.append(
                     pb.StreamOpen(
                         stream=row.stream,
                         sampling=sampling,
                         mtp=row.mtp,
-                        score_prompt=request.score_prompt,
+                        score_prompt=request is not None and request.score_prompt,
                         resume_from=row.resume_from,
                         copy_from=row.copy_from,
                         position=row.start if row.resume_from or row.copy_from else 0,

@@ -46,6 +46,11 @@ class SchedulerConfig:
     # next turn of a conversation) takes over its positions instead of computing them again; they
     # count against max_streams and give way, oldest first, to new streams (0: close at once)
     keep_finished: int = 8
+    # prompts that start with this many tokens or more of a recent prompt, and go on differently (one
+    # system prompt, other questions), leave a copy of their state where the two part: a kept stream
+    # that later prompts starting alike begin as copies of (0: none). Such prefixes are kept as
+    # finished streams are, within keep_finished
+    min_shared_prefix: int = 32
 
     @property
     def in_flight(self) -> int:
@@ -72,7 +77,7 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
-        for name in ("frames_in_flight", "draft_rows", "keep_finished"):
+        for name in ("frames_in_flight", "draft_rows", "keep_finished", "min_shared_prefix"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.max_draft < self.rows_per_group:
@@ -108,6 +113,7 @@ class Row:
     propose: int = 0  # MTP tokens the last stage drafts after this row's token
     resume_from: RequestId = ""  # with `opens`: the finished stream whose state the stream takes over at `start`
     copy_from: RequestId = ""  # with `opens`: the open stream whose first `start` positions it starts from
+    prefix: bool = False  # a shared prefix's row: no request of its own, its state is kept for copies
 
 
 @dataclass(frozen=True)
@@ -129,6 +135,7 @@ class Emitted:
     cached: int = 0  # on a stream's first token: the prompt positions it took over from a kept stream
 
 
+RECENT_PROMPTS = 64  # admitted prompts a new one is compared with for a shared prefix
 PROBE_EVERY = 16  # tokens a stream whose drafts do not pay generates between one-token probes
 PROPOSAL_SMOOTHING = 0.5  # weight of the newest proposal's time per token
 
@@ -151,8 +158,9 @@ class _Stream:
     stage_drafts: tuple[tuple[str, tuple[int, ...]], ...] = ()  # the last stage's continuations by source
     reached: int = 0  # the furthest position sent (rejected drafts' rows included)
     resume_from: RequestId = ""  # the finished stream whose state it takes over when it opens
-    copy_of: RequestId = ""  # the running stream whose first positions it starts as a copy of
+    copy_of: RequestId = ""  # the running stream or kept prefix whose first positions it starts as a copy of
     reused: int = 0  # the prompt positions that state holds
+    shares: int = 0  # a prefix of the prompt to leave a kept copy of once sent (0: none)
 
     @property
     def prefilling(self) -> bool:
@@ -233,11 +241,22 @@ class Kept:
     tokens: tuple[int, ...]  # what its positions hold, in order
     reached: int  # the furthest position it was fed, which a rewind may go back at most the slack from
     mtp: bool = False  # the last stage's MTP head follows it: only such a stream takes it over
+    prefix: bool = False  # a prefix prompts share: later prompts start as copies of it, none takes it over
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share: halving slice comparisons, which run in C."""
     n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
+    if a[:n] == b[:n]:
+        return n
+    same, differs = 0, n
+    while differs - same > 1:
+        middle = (same + differs) // 2
+        if a[same:middle] == b[same:middle]:
+            same = middle
+        else:
+            differs = middle
+    return same
 
 
 def reusable(
@@ -250,7 +269,7 @@ def reusable(
     new stream, as it must have followed the kept one."""
     best: tuple[RequestId, int] | None = None
     for stream, held in kept.items():
-        if held.mtp != mtp:
+        if held.mtp != mtp or held.prefix:
             continue
         positions = min(common_prefix(held.tokens, prompt), len(prompt) - 1)
         reach = slack - 1 if mtp else slack
@@ -272,6 +291,29 @@ def copy_source(running: dict[RequestId, tuple[int, ...]], prompt: Sequence[int]
         if positions > 0 and shared >= len(theirs) - 1 and (best is None or positions > best[1]):
             best = (stream, positions)
     return best
+
+
+def prefix_source(kept: dict[RequestId, Kept], prompt: Sequence[int], slack: int) -> tuple[RequestId, int] | None:
+    """The kept shared prefix that serves most of `prompt`, and how many positions a copy of it would start
+    with (never the prompt's last token, which is always fed): within `slack` of the prefix's end, since a
+    copy steps the prefix's state back to where the prompts part. On a tie the one kept last wins."""
+    best: tuple[RequestId, int] | None = None
+    for stream, held in kept.items():
+        if not held.prefix:
+            continue
+        positions = min(common_prefix(held.tokens, prompt), len(prompt) - 1)
+        if positions > 0 and held.reached - positions <= slack and (best is None or positions >= best[1]):
+            best = (stream, positions)
+    return best
+
+
+def shared_prefix(recent: Sequence[Sequence[int]], prompt: Sequence[int], served: int, shortest: int) -> int:
+    """How much of `prompt` a recent prompt starts with too, when that is worth a kept copy: at least
+    `shortest` tokens past the `served` positions a kept stream or a copy already gives it (0: not worth it)."""
+    if not shortest:
+        return 0
+    shared = max((common_prefix(other, prompt) for other in recent), default=0)
+    return shared if shared >= max(served + shortest, 1) else 0
 
 
 def smoothed_acceptance(previous: float, accepted: int) -> float:
@@ -376,6 +418,9 @@ class Scheduler:
         self.verified: list[Verified] = []  # the last on_frame_done's verify outcomes, for the proposer
         self._kept: dict[RequestId, Kept] = {}  # finished streams the stages keep, oldest first
         self._dropped: list[RequestId] = []  # kept streams given up, for the stages to close
+        self._sharing: dict[RequestId, Kept] = {}  # shared prefixes whose copies are on their way
+        self._recent: deque[tuple[int, ...]] = deque(maxlen=RECENT_PROMPTS)
+        self._prefixes = 0  # shared prefixes named so far
         self.rewind_slack = 0  # as the stages report it
         # off while the stages capture: a capture holds each stream's rows from its first position on
         self.taking_over = True
@@ -427,6 +472,9 @@ class Scheduler:
         emitted = []
         self.verified = []
         for row in frame.rows:
+            if row.prefix:
+                self._kept_prefix(row.stream)
+                continue
             stream = self._active.get(row.stream)
             if stream is None:  # cancelled while in flight
                 continue
@@ -472,6 +520,7 @@ class Scheduler:
         self.drop_all_kept()
         # a stream that was to take over a kept one's state: the stages that never saw the frame hold it still
         self._dropped.extend(row.resume_from for row in frame.rows if row.resume_from)
+        self._dropped.extend(row.stream for row in frame.rows if row.prefix)  # as the stages that saw it do
         failed = [row.stream for row in frame.rows if row.stream in self._active]
         for stream in failed:
             del self._active[stream]
@@ -487,8 +536,10 @@ class Scheduler:
             self._dropped.append(stream_id)
 
     def drop_all_kept(self) -> None:
-        self._dropped.extend(self._kept)
+        """Give up every kept stream, and the shared prefixes on their way (closed once they are there)."""
+        self._dropped.extend([*self._kept, *self._sharing])
         self._kept.clear()
+        self._sharing.clear()
 
     def take_dropped(self) -> list[RequestId]:
         """Kept streams given up since the last call: the stages should close them."""
@@ -505,6 +556,22 @@ class Scheduler:
         self._kept[request.id] = Kept((request.prompt + tuple(stream.generated))[:fed], stream.reached, stream.mtp)
         while len(self._kept) > self.config.keep_finished:
             self._drop_oldest()
+
+    def _kept_prefix(self, name: RequestId) -> None:
+        """A shared prefix's copy is there: keep it, within keep_finished (unless given up on the way)."""
+        held = self._sharing.pop(name, None)
+        if held is None:
+            return
+        self._kept[name] = held
+        while len(self._kept) > self.config.keep_finished:
+            self._drop_oldest()
+
+    def _prefix_name(self) -> RequestId:
+        while True:
+            self._prefixes += 1
+            name = f"prefix-{self._prefixes}"
+            if name not in self._active and name not in self._kept and all(r.id != name for r in self._queue):
+                return name
 
     def _drop_oldest(self) -> None:
         oldest = next(iter(self._kept))
@@ -574,8 +641,10 @@ class Scheduler:
             request = self._queue[0]
             stream = _Stream(request)
             found = self._reusable(request)
-            copied = None if found is not None else self._copyable(request)
-            if found is not None:  # a kept stream becomes this one: no stream more on the stages
+            copied = self._copyable(request)
+            # a kept stream becomes this one, unless a copy serves as much: another conversation's
+            # stream is then kept for its own next turn
+            if found is not None and (copied is None or found[1] > copied[1]):
                 source, positions = found
                 held = self._kept.pop(source)
                 stream.position, stream.reached, stream.resume_from = positions, held.reached, source
@@ -584,12 +653,28 @@ class Scheduler:
             else:
                 if copied is not None:  # opens once the source has been fed that far
                     stream.copy_of, stream.position = copied
+                    if copied[0] in self._kept:  # a shared prefix: the last used gives way last
+                        self._kept[copied[0]] = self._kept.pop(copied[0])
                 if len(self._active) >= self.config.max_streams:
                     return  # giving kept streams up would not make room
-                while len(self._active) + len(self._kept) >= self.config.max_streams:
+                while self._kept and self._held_streams() >= self.config.max_streams:
                     self._drop_oldest()
             self._queue.popleft()
             self._active[request.id] = stream
+            if self._shares_prefixes(request):
+                shortest = self.config.min_shared_prefix
+                stream.shares = shared_prefix(self._recent, request.prompt, stream.position, shortest)
+            self._recent.append(request.prompt)
+
+    def _held_streams(self) -> int:
+        """Streams whose state the stages hold or are about to: running, kept, shared prefixes on their way."""
+        return len(self._active) + len(self._kept) + len(self._sharing)
+
+    def _shares_prefixes(self, request: Request) -> bool:
+        """Whether this request may leave a copy of a prefix it shares with a recent prompt: the stages keep
+        streams and can step a copy back (it starts one position short), and no capture is running."""
+        keeps = self.config.keep_finished > 0 and self.rewind_slack >= 1
+        return keeps and self.taking_over and not request.score_prompt
 
     def _reusable(self, request: Request) -> tuple[RequestId, int] | None:
         """A kept stream this request may take over: not for a scored prompt (every prompt row is scored)."""
@@ -604,14 +689,16 @@ class Scheduler:
         if self.rewind_slack < 1 or not self.taking_over or request.score_prompt or self._follows_mtp(request):
             return None
         running = {i: s.request.prompt for i, s in self._active.items() if not s.mtp and not s.copy_of}
-        return copy_source(running, request.prompt)
+        found = [copy_source(running, request.prompt), prefix_source(self._kept, request.prompt, self.rewind_slack)]
+        return max((f for f in found if f is not None), key=lambda f: f[1], default=None)
 
     def _follows_mtp(self, request: Request) -> bool:
         return self.config.mtp_draft > 0 and speculable(request)
 
     def _build_frame(self) -> Frame | None:
         budget = self.config.rows_per_group
-        rows: list[Row] = []
+        rows: list[Row] = self._prefix_rows(budget)
+        budget -= len(rows)
         rewinds: list[tuple[RequestId, int]] = []
         decoding = sum(1 for s in self._active.values() if not s.prefilling)
         decode_cap = decode_rows_per_frame(decoding, self.config.in_flight, self.config.rows_per_group)
@@ -640,6 +727,8 @@ class Scheduler:
                 continue
             prompt = stream.request.prompt
             n = min(self.config.prefill_window, budget, len(prompt) - stream.position)
+            if stream.shares - 1 > stream.position:  # the window stops where the shared prefix's copy starts
+                n = min(n, stream.shares - 1 - stream.position)
             end = stream.position + n
             if not stream.opened:
                 stream.mtp = self._follows_mtp(stream.request)
@@ -663,6 +752,8 @@ class Scheduler:
         if not rows:
             return None
         for row in rows:
+            if row.prefix:
+                continue
             stream = self._active[row.stream]
             stream.frames += 1
             stream.opened = True
@@ -672,10 +763,37 @@ class Scheduler:
         self._next_frame += 1
         return frame
 
+    def _prefix_rows(self, budget: int) -> list[Row]:
+        """One-row copies of streams that have been sent a prefix they share with a recent prompt (stages run
+        frames in order, so this frame sees those positions): each feeds the prefix's last token again and
+        is then kept for later prompts to start as copies of. A stream that went on past the rewind slack
+        first leaves none, as does one the stages have no room beside."""
+        rows: list[Row] = []
+        for stream in self._active.values():
+            end = stream.shares
+            if not end or not stream.opened or stream.position < end - 1 or len(rows) == budget:
+                continue
+            stream.shares = 0
+            if stream.reached - (end - 1) > self.rewind_slack:
+                continue
+            while self._kept and self._held_streams() >= self.config.max_streams:
+                self._drop_oldest()
+            if self._held_streams() >= self.config.max_streams:
+                continue
+            name, prompt = self._prefix_name(), stream.request.prompt
+            self._sharing[name] = Kept(prompt[:end], max(stream.reached, end), prefix=True)
+            rows.append(Row(name, end - 1, (prompt[end - 1],), False, True, copy_from=stream.request.id, prefix=True))
+        return rows
+
     def _copy_ready(self, stream: _Stream) -> bool:
         """Whether a stream waiting to start as a copy can open now: its source has been sent its positions
         (stages run frames in order, so this frame sees them) and has not gone past the rewind slack. A
-        source gone or too far ahead leaves the stream to compute its prompt itself, from the start."""
+        source gone or too far ahead leaves the stream to compute its prompt itself, from the start. A
+        kept shared prefix is always ready, as long as it is kept."""
+        held = self._kept.get(stream.copy_of)
+        if held is not None and held.prefix:
+            stream.reached = held.reached
+            return True
         source = self._active.get(stream.copy_of)
         if source is not None and source.position < stream.position:
             return False  # not there yet

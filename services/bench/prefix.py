@@ -1,0 +1,155 @@
+"""`cascadia bench prefix`: users who share one system prompt, with kept copies of shared prefixes and without.
+
+One local fleet and one router driver. Each round sends the same users' questions, one after the other,
+twice: with the router keeping finished streams and copies of the prefixes prompts share (its
+defaults), and with nothing kept (`--keep-finished 0`). Every round and mode opens its system prompt
+with a name of its own, so each starts with nothing the router has seen. A user's time to first token
+is compared within the round, so a slow spell of the machine hits both modes of the pair.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from cascadia.bench.turns import KEEP, OPENING
+from cascadia.engine.sampling import SamplingParams
+
+QUESTIONS = (
+    "Who opens the shutters?",
+    "What happens at noon?",
+    "Which animals are in it?",
+    "When are the lamps lit?",
+    "Where do the traders come from?",
+    "Give the passage a title.",
+    "What do the fishermen do?",
+    "Summarise it in one sentence.",
+)
+
+
+@dataclass(frozen=True)
+class PrefixBenchConfig:
+    model: Path
+    out: Path
+    shards: int
+    users: int  # questions asked after one system prompt, one after the other
+    repeats: int
+    answer_tokens: int  # past the rewind slack, so that no user's finished stream serves the next one
+    system_repeats: int  # how many times the system prompt says its passage: the shared prefix's length
+
+
+def system_prompt(name: str, repeats: int) -> str:
+    return f"You are the {name} desk. Answer questions about this passage. " + OPENING * repeats
+
+
+async def _users(driver, codec, config: PrefixBenchConfig, system: str, tag: str) -> list[dict[str, Any]]:
+    from cascadia.bench.driving import answer
+
+    out = []
+    params = SamplingParams(max_tokens=config.answer_tokens, stop_ids=codec.stop_token_ids)
+    for user in range(config.users):
+        question = QUESTIONS[user % len(QUESTIONS)]
+        prompt = codec.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": question}])
+        answered = await answer(driver, f"{tag}-{user}", prompt, params)
+        out.append({"prompt_tokens": len(prompt), "cached": answered.cached, "ttft_s": answered.ttft_s})
+    return out
+
+
+def _paired(shared: list[dict[str, Any]], computed: list[dict[str, Any]]) -> float:
+    """The median over rounds of each round's own ratio of times to first token."""
+    return statistics.median(c["ttft_s"] / s["ttft_s"] for s, c in zip(shared, computed, strict=True) if s["ttft_s"])
+
+
+async def _run(config: PrefixBenchConfig, driver, codec, console: Console) -> dict[str, Any]:
+    base = driver.scheduler.config
+    runs: dict[str, list[list[dict[str, Any]]]] = {"shared": [], "computed": []}
+    for repeat in range(config.repeats):
+        for mode, keep in (("shared", KEEP), ("computed", 0)):
+            driver.scheduler.config = replace(base, keep_finished=keep)
+            driver.scheduler.drop_all_kept()
+            system = system_prompt(f"{mode} {repeat + 1}", config.system_repeats)
+            runs[mode].append(await _users(driver, codec, config, system, f"{mode}-{repeat}"))
+        ttft = {mode: [round(u["ttft_s"], 3) for u in r[-1]] for mode, r in runs.items()}
+        console.print(f"round {repeat + 1}/{config.repeats}: time to first token by user (s) {ttft}")
+    users = []
+    for user in range(config.users):
+        shared = [r[user] for r in runs["shared"]]
+        computed = [r[user] for r in runs["computed"]]
+        users.append(
+            {
+                "user": user + 1,
+                "prompt_tokens": shared[0]["prompt_tokens"],
+                "cached_tokens": statistics.median(u["cached"] for u in shared),
+                "ttft_s_shared": statistics.median(u["ttft_s"] for u in shared),
+                "ttft_s_computed": statistics.median(u["ttft_s"] for u in computed),
+                "paired_speedup": _paired(shared, computed),
+            }
+        )
+    # the first user finds nothing and the second leaves the copy: the ones after it start from it
+    later = {mode: [u for r in rounds for u in r[2:]] for mode, rounds in runs.items()}
+    return {"users": users, "later_users_paired_speedup": _paired(later["shared"], later["computed"])}
+
+
+def run_prefix_bench(config: PrefixBenchConfig, console: Console) -> dict[str, Any]:
+    from cascadia.bench.driving import drive_local_fleet
+    from cascadia.bench.machine import machine_summary
+    from cascadia.gateway.text import TextCodec
+    from cascadia.router.local import LocalFleet
+
+    config.out.mkdir(parents=True, exist_ok=True)
+    codec = TextCodec.from_model(config.model)
+    fleet = LocalFleet(config.model, config.shards, "f32")
+    scheduler = fleet.scheduler_config()  # the schedule `cascadia up` gives this fleet
+    fleet.start(log_dir=config.out)
+
+    async def run(driver) -> dict[str, Any]:
+        warm = replace(config, users=1)
+        await _users(driver, codec, warm, system_prompt("warm-up", config.system_repeats), "warm-up")
+        return await _run(config, driver, codec, console)
+
+    results = drive_local_fleet(fleet, scheduler, console, run)
+    summary = {
+        "model": config.model.name,
+        "shards": config.shards,
+        "answer_tokens": config.answer_tokens,
+        "repeats": config.repeats,
+        "keep_finished": KEEP,
+        "min_shared_prefix": scheduler.min_shared_prefix,
+        "machine": machine_summary(),
+        **results,
+    }
+    (config.out / "prefix.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _plot(summary, config.out / "prefix.png")
+    return summary
+
+
+def _plot(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    users = summary["users"]
+    x = [u["user"] for u in users]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    axes[0].plot(x, [u["ttft_s_computed"] for u in users], marker="o", label="every prompt computed")
+    axes[0].plot(x, [u["ttft_s_shared"] for u in users], marker="o", label="shared prefixes kept")
+    axes[0].set_xlabel("user (one after the other)")
+    axes[0].set_ylabel("time to first token (s, median)")
+    axes[0].legend()
+    axes[1].bar(x, [u["prompt_tokens"] for u in users], label="prompt tokens", color="lightgrey")
+    axes[1].bar(x, [u["cached_tokens"] for u in users], label="started from a kept copy", color="tab:orange")
+    axes[1].set_xlabel("user")
+    axes[1].set_ylabel("tokens")
+    for ax in axes:
+        ax.set_xticks(x)
+    axes[1].legend()
+    fig.suptitle(f"Users sharing a system prompt on {summary['model']} across {summary['shards']} shards")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,21 @@
+"""`cascadia bench prefix` on the tiny model: both modes run, and later users start from the kept copy."""
+
+from __future__ import annotations
+
+import json
+
+from rich.console import Console
+
+from cascadia.bench.prefix import PrefixBenchConfig, run_prefix_bench
+
+
+def test_users_after_the_second_start_from_the_system_prompts_copy_only_where_streams_are_kept(tiny, tmp_path):
+    config = PrefixBenchConfig(tiny, tmp_path, shards=2, users=4, repeats=1, answer_tokens=40, system_repeats=1)
+    summary = run_prefix_bench(config, Console(quiet=True))
+    assert json.loads((tmp_path / "prefix.json").read_text()) == summary
+    assert (tmp_path / "prefix.png").stat().st_size > 0
+    first, second, *later = summary["users"]
+    assert first["cached_tokens"] == second["cached_tokens"] == 0
+    for user in later:  # the system prompt at least, and never the last prompt token
+        assert summary["min_shared_prefix"] <= user["cached_tokens"] < user["prompt_tokens"]
+    assert summary["later_users_paired_speedup"] > 0
