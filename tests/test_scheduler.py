@@ -456,10 +456,13 @@ def test_a_shared_prefix_is_worth_a_copy_only_past_what_is_served_and_copies_ste
     from cascadia.router.scheduler import Kept, prefix_source, shared_prefix
 
     recent = [(1, 2, 3, 4, 5, 6), (1, 2, 9)]
-    assert shared_prefix(recent, (1, 2, 3, 4, 8), served=0, shortest=4) == 4
-    assert shared_prefix(recent, (1, 2, 3, 4, 8), served=1, shortest=4) == 0  # 3 past what a copy gives
-    assert shared_prefix(recent, (1, 2, 3, 4, 8), served=0, shortest=0) == 0  # switched off
-    assert shared_prefix([], (1, 2), served=0, shortest=1) == 0
+    assert shared_prefix(recent, (1, 2, 3, 4, 8), copied=0, shortest=4) == 4
+    assert shared_prefix(recent, (1, 2, 3, 4, 8), copied=1, shortest=4) == 0  # 3 past what a copy gives
+    assert shared_prefix(recent, (1, 2, 3, 4, 8), copied=0, shortest=0) == 0  # switched off
+    assert shared_prefix([], (1, 2), copied=0, shortest=1) == 0
+    # prompts that do not part: a next turn holds the last one whole, a shorter one is held whole
+    assert shared_prefix([(1, 2, 3, 4)], (1, 2, 3, 4, 5, 6), copied=0, shortest=2) == 0
+    assert shared_prefix([(1, 2, 3, 4, 5, 6)], (1, 2, 3), copied=0, shortest=2) == 0
     kept = {
         "conversation": Kept((1, 2, 3, 4, 5), reached=5),  # taken over, never copied
         "p": Kept((1, 2, 3, 4), reached=6, prefix=True),
@@ -556,3 +559,24 @@ def test_shared_prefixes_count_as_kept_streams_and_the_one_last_copied_gives_way
         assert not any(r.prefix for f in _run_prompt(none, rid, (*system, *tails[rid])) for r in f.rows)
     with pytest.raises(ValueError, match="min_shared_prefix"):
         SchedulerConfig(stages=1, min_shared_prefix=-1)
+
+
+def test_a_prompt_that_takes_over_a_stream_it_parts_from_leaves_a_copy_of_what_they_share():
+    s = Scheduler(SchedulerConfig(stages=1, rows_per_group=16, prefill_window=16, min_shared_prefix=8))
+    s.set_chain_ready(True)
+    s.rewind_slack = 8
+    system = tuple(range(100, 120))
+    _run_prompt(s, "a", (*system, 1, 2, 3))  # kept, fed to 23
+    s.submit(Request("b", (*system, 4, 5, 6, 7), SamplingParams(max_tokens=3)))
+    (frame,) = s.next_frames()
+    assert [(r.stream, r.resume_from, r.start) for r in frame.rows] == [("b", "a", 20)]
+    s.on_frame_done(frame.id, {"b": 9})
+    (frame,) = s.next_frames()  # "a" is gone, yet "b" holds what they share: a copy of it is kept
+    rows = {r.stream: r for r in frame.rows}
+    assert (rows["prefix-1"].copy_from, rows["prefix-1"].start, rows["b"].start) == ("b", 19, 24)
+    s.on_frame_done(frame.id, {"b": 9})
+    assert s.kept("prefix-1")
+    s.submit(Request("c", (*system, 8), SamplingParams(max_tokens=1)))
+    (frame,) = s.next_frames()
+    rows = {r.stream: r for r in frame.rows}
+    assert (rows["c"].copy_from, rows["c"].start) == ("prefix-1", 20)

@@ -307,13 +307,18 @@ def prefix_source(kept: dict[RequestId, Kept], prompt: Sequence[int], slack: int
     return best
 
 
-def shared_prefix(recent: Sequence[Sequence[int]], prompt: Sequence[int], served: int, shortest: int) -> int:
-    """How much of `prompt` a recent prompt starts with too, when that is worth a kept copy: at least
-    `shortest` tokens past the `served` positions a kept stream or a copy already gives it (0: not worth it)."""
+def shared_prefix(recent: Sequence[Sequence[int]], prompt: Sequence[int], copied: int, shortest: int) -> int:
+    """Where `prompt` and a recent prompt part, when a kept copy of what they share is worth it: at least
+    `shortest` tokens, past the `copied` positions the prompt starts with as a copy (0: not worth it).
+
+    Only prompts that go on differently count: one that holds the other whole (a conversation's next
+    turn, the same question again) has the finished stream to take over.
+    """
     if not shortest:
         return 0
-    shared = max((common_prefix(other, prompt) for other in recent), default=0)
-    return shared if shared >= max(served + shortest, 1) else 0
+    parts = (common_prefix(other, prompt) for other in recent)
+    shared = max((n for n, other in zip(parts, recent, strict=True) if n < min(len(other), len(prompt))), default=0)
+    return shared if shared >= max(copied + shortest, 1) else 0
 
 
 def smoothed_acceptance(previous: float, accepted: int) -> float:
@@ -662,8 +667,9 @@ class Scheduler:
             self._queue.popleft()
             self._active[request.id] = stream
             if self._shares_prefixes(request):
-                shortest = self.config.min_shared_prefix
-                stream.shares = shared_prefix(self._recent, request.prompt, stream.position, shortest)
+                # a stream taken over is gone for the next prompt: only a copy's source stays
+                copied = stream.position if stream.copy_of else 0
+                stream.shares = shared_prefix(self._recent, request.prompt, copied, self.config.min_shared_prefix)
             self._recent.append(request.prompt)
 
     def _held_streams(self) -> int:
