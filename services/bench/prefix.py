@@ -143,7 +143,7 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
     axes[0].set_ylabel("time to first token (s, median)")
     axes[0].legend()
     axes[1].bar(x, [u["prompt_tokens"] for u in users], label="prompt tokens", color="lightgrey")
-    axes[1].bar(x, [u["cached_tokens"] for u in users], label="started from a kept copy", color="tab:orange")
+    axes[1].bar(x, [u["cached_tokens"] for u in users], label="started with (copied or taken over)", color="tab:orange")
     axes[1].set_xlabel("user")
     axes[1].set_ylabel("tokens")
     for ax in axes:
