@@ -574,6 +574,8 @@ def test_a_prompt_that_takes_over_a_stream_it_parts_from_leaves_a_copy_of_what_t
     (frame,) = s.next_frames()  # "a" is gone, yet "b" holds what they share: a copy of it is kept
     rows = {r.stream: r for r in frame.rows}
     assert (rows["prefix-1"].copy_from, rows["prefix-1"].start, rows["b"].start) == ("b", 19, 24)
+    with pytest.raises(ValueError, match="already known"):  # the name is the copy's while it is on its way
+        s.submit(Request("prefix-1", (1, 2), SamplingParams()))
     s.on_frame_done(frame.id, {"b": 9})
     assert s.kept("prefix-1")
     s.submit(Request("c", (*system, 8), SamplingParams(max_tokens=1)))

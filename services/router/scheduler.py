@@ -434,7 +434,8 @@ class Scheduler:
     # -- inputs -----------------------------------------------------------------------------------
 
     def submit(self, request: Request) -> None:
-        if request.id in self._active or request.id in self._kept or any(r.id == request.id for r in self._queue):
+        known = request.id in self._active or request.id in self._kept or request.id in self._sharing
+        if known or any(r.id == request.id for r in self._queue):
             raise ValueError(f"request {request.id} is already known")
         if len(self._queue) >= self.config.max_queue:
             raise Overloaded(f"overloaded: {len(self._queue)} requests already wait for admission")
@@ -660,7 +661,7 @@ class Scheduler:
                     stream.copy_of, stream.position = copied
                     if copied[0] in self._kept:  # a shared prefix: the last used gives way last
                         self._kept[copied[0]] = self._kept.pop(copied[0])
-                if len(self._active) >= self.config.max_streams:
+                if len(self._active) + len(self._sharing) >= self.config.max_streams:
                     return  # giving kept streams up would not make room
                 while self._kept and self._held_streams() >= self.config.max_streams:
                     self._drop_oldest()
