@@ -475,15 +475,16 @@ def router(
         typer.Option(
             min=0,
             help="Finished streams whose state the stages keep for a prompt that starts the same way, such as "
-            "a conversation's next turn (0: none).",
+            "a conversation's next turn or another user's question after the same system prompt (0: none).",
         ),
     ] = 8,
     min_shared_prefix: Annotated[
         int,
         typer.Option(
             min=0,
-            help="Tokens a prompt must share with a recent one, and go on differently, to leave a kept copy of "
-            "its state where they part, which later prompts that start alike begin from (0: none).",
+            help="Tokens a prompt must share with a finished or recent one, and go on differently (one system "
+            "prompt, other questions), to start as a copy of the finished stream, or to leave a kept copy of its "
+            "own where they part for later prompts that start alike (0: neither).",
         ),
     ] = 32,
 ) -> None:
@@ -1374,17 +1375,21 @@ def bench_prefix(
     out: Annotated[Path, typer.Option(help="Directory for JSON and PNG results.")] = Path("bench-out/prefix"),
     shards: Annotated[int, typer.Option(min=1)] = 2,
     users: Annotated[int, typer.Option(min=3, help="Users asking after one system prompt, one after another.")] = 6,
+    choices: Annotated[int, typer.Option(min=2, help="Sampled choices of one question, asked at once.")] = 4,
     repeats: Annotated[int, typer.Option(min=1, help="Rounds of users per mode (median reported).")] = 3,
     answer_tokens: Annotated[int, typer.Option(min=1, help="Most tokens of each answer.")] = 48,
     system: Annotated[int, typer.Option(min=1, help="Times the system prompt says its passage.")] = 4,
 ) -> None:
-    """Users sharing a system prompt: time to first token with kept copies of shared prefixes and without."""
+    """Prompts that start alike (users after one system prompt, a question's `n` choices), computed once and
+    every time: time to first token, paired within each round."""
     from cascadia.bench.prefix import PrefixBenchConfig, run_prefix_bench
 
-    config = PrefixBenchConfig(resolve_model(model), out, shards, users, repeats, answer_tokens, system)
+    config = PrefixBenchConfig(resolve_model(model), out, shards, users, choices, repeats, answer_tokens, system)
     summary = run_prefix_bench(config, err)
     speedups = {u["user"]: round(u["paired_speedup"], 2) for u in summary["users"]}
-    sys.stdout.write(json.dumps({"ttft_speedup_by_user": speedups}) + "\n")
+    n = summary["n_choices"]
+    both = {"first_token": round(n["paired_first_token_speedup"], 2), "done": round(n["paired_done_speedup"], 2)}
+    sys.stdout.write(json.dumps({"ttft_speedup_by_user": speedups, "choices_speedup": both}) + "\n")
 
 
 @bench_app.command("mtp")

@@ -10,7 +10,9 @@ from cascadia.bench.prefix import PrefixBenchConfig, run_prefix_bench
 
 
 def test_users_after_the_second_start_from_the_system_prompts_copy_only_where_streams_are_kept(tiny, tmp_path):
-    config = PrefixBenchConfig(tiny, tmp_path, shards=2, users=4, repeats=1, answer_tokens=40, system_repeats=1)
+    config = PrefixBenchConfig(
+        tiny, tmp_path, shards=2, users=4, choices=3, repeats=1, answer_tokens=40, system_repeats=1
+    )
     summary = run_prefix_bench(config, Console(quiet=True))
     assert json.loads((tmp_path / "prefix.json").read_text()) == summary
     assert (tmp_path / "prefix.png").stat().st_size > 0
@@ -19,3 +21,6 @@ def test_users_after_the_second_start_from_the_system_prompts_copy_only_where_st
     for user in later:  # the system prompt at least, and never the last prompt token
         assert summary["min_shared_prefix"] <= user["cached_tokens"] < user["prompt_tokens"]
     assert summary["later_users_paired_speedup"] > 0
+    choices = summary["n_choices"]  # the first computes the prompt, the others start as copies of it
+    assert choices["cached_tokens"] == [0] + [choices["prompt_tokens"] - 1] * 2
+    assert choices["paired_first_token_speedup"] > 0 and choices["paired_done_speedup"] > 0

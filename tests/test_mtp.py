@@ -257,6 +257,44 @@ def test_a_stream_taking_over_a_finished_one_drafts_as_the_reference_chain(
             drafter.close(stream)
 
 
+def test_a_copy_of_a_stream_and_the_stream_itself_each_draft_as_the_reference_chain(
+    mtp_model: Path, reference: MtpReference, head: MtpHead
+):
+    """A prompt that starts as a running stream's did starts as a copy of its trunk state and depths,
+    stepped back to where the prompts part: both then draft the reference chain on their own sequences."""
+    trunk = StageEngine(load_stage(mtp_model, 0, 5), EngineSettings())
+    drafter = MtpDrafter(head)
+
+    def feed(stream: str, start: int, ids: list[int]) -> int:
+        step = trunk.step([Segment(stream, start, len(ids))], np.asarray(ids))
+        drafter.confirm(stream, start, step.hidden, ids)
+        token = int(step.logits[-1].argmax())
+        drafter.sampled(stream, token)
+        return token
+
+    old = prompt(7, 20)
+    trunk.open("old")
+    drafter.open("old")
+    token = feed("old", 0, old)
+    drafter.propose({"old": DEPTHS})  # every depth is current
+    new = [*old[:16], *prompt(8, 5)]
+    try:
+        trunk.copy("old", "new", 16)
+        drafter.copy("old", "new", 16)
+        assert sorted(drafter.streams) == ["new", "old"]
+        new_token = feed("new", 16, new[16:])
+        old_token = feed("old", len(old), [token])  # the source goes on where it was
+        drafts = drafter.propose({"new": DEPTHS, "old": DEPTHS})
+        assert drafts["new"] == reference.drafts([*new, new_token], DEPTHS)
+        assert drafts["old"] == reference.drafts([*old, token, old_token], DEPTHS)
+        with pytest.raises(ValueError, match="already open"):
+            drafter.copy("old", "new", 3)
+    finally:
+        for stream in drafter.streams:
+            drafter.close(stream)
+            trunk.close(stream)
+
+
 def test_greedy_ids_are_the_same_with_and_without_mtp(mtp_model: Path, head: MtpHead, tiny: Path):
     from cascadia.engine.generate import generate
 
@@ -319,6 +357,7 @@ def test_mtp_drafts_across_shard_processes_keep_greedy_ids(mtp_model: Path, tiny
 
     engine = StageEngine(load_stage(tiny, 0, 5), EngineSettings())
     prompts = {f"r{i}": prompt(20 + i, 6 + 3 * i) for i in range(3)}
+    twin = prompt(30, 14)
     expected = {rid: generate(engine, ids, SamplingParams(max_tokens=16)).token_ids for rid, ids in prompts.items()}
     fleet = LocalFleet(mtp_model, shards, mtp_depths=DEPTHS)
     fleet.start(tmp_path)
@@ -338,17 +377,19 @@ def test_mtp_drafts_across_shard_processes_keep_greedy_ids(mtp_model: Path, tiny
             # a next turn takes over r0's finished stream, the MTP head's depths with it
             message = pb.GenerateRequest(request_id="next", prompt_ids=follow_up(got["r0"]), max_tokens=16)
             events = [e async for e in stub.Generate(message, timeout=120)]
+            # one prompt twice at once: the second starts as a copy of the first, the depths with it
+            twins = dict(await asyncio.gather(*(one(rid, twin) for rid in ("twin0", "twin1"))))
             stats = await stub.Stats(pb.StatsRequest(), timeout=5)
             await asyncio.sleep(0.5)  # the close frame travels the chain
             last = rpc.ShardStub(grpc.aio.insecure_channel(fleet.stage_addrs[-1]))
             shard_stats = await last.Stats(pb.StatsRequest(), timeout=5)
-            return got, events, stats, shard_stats
+            return got, events, twins, stats, shard_stats
 
     def follow_up(answer: list[int]) -> list[int]:
         return [*prompts["r0"], *answer[:-1], 7, 8]
 
     try:
-        got, events, stats, shard_stats = asyncio.run(go())
+        got, events, twins, stats, shard_stats = asyncio.run(go())
     finally:
         fleet.stop()
     assert got == expected
@@ -357,8 +398,10 @@ def test_mtp_drafts_across_shard_processes_keep_greedy_ids(mtp_model: Path, tiny
     assert events[0].cached_tokens == len(prompts["r0"]) + len(got["r0"]) - 1
     by_source = {s.source: s for s in stats.sources}
     assert "mtp" in by_source and by_source["mtp"].drafted_tokens > 0, stats
-    assert stats.reused_positions == events[0].cached_tokens
-    assert shard_stats.open_streams == stats.kept_streams == 3  # r1, r2 and "next" are kept
+    assert twins == dict.fromkeys(twins, generate(engine, twin, SamplingParams(max_tokens=16)).token_ids)
+    # the twin's copy: all of the prompt but its last token
+    assert stats.reused_positions == events[0].cached_tokens + len(twin) - 1
+    assert shard_stats.open_streams == stats.kept_streams == 5  # r1, r2, "next" and the twins are kept
 
 
 # -- capture on an MTP fleet and offline draft evaluation -------------------------------------------

@@ -336,8 +336,12 @@ def test_a_stage_checks_a_stream_that_takes_over_or_copies_anothers_state():
     for bad, reason in [(copy("gone", 8), "cannot copy 'gone'"), (copy("old", 10), "cannot copy 'old' at 10")]:
         with pytest.raises(FrameRejected, match=reason):
             check_frame(bad, {"old": 9}, True, 64, 512)
-    with pytest.raises(FrameRejected, match="does not follow a copied stream"):
-        check_frame(copy("old", 8, mtp=True), {"old": 9}, True, 64, 512, mtp_depths=1)
+    # the MTP head follows a copy exactly when it follows the source
+    followed = frozenset({"old"})
+    assert check_frame(copy("old", 8, mtp=True), {"old": 9}, True, 64, 512, 1, followed) == {"old": 9, "c": 9}
+    for bad, mtp_streams in [(copy("old", 8, mtp=True), frozenset()), (copy("old", 8), followed)]:
+        with pytest.raises(FrameRejected, match="copies only such a stream"):
+            check_frame(bad, {"old": 9}, True, 64, 512, mtp_depths=1, mtp_streams=mtp_streams)
 
 
 @pytest.mark.parametrize("speculate", [False, True])
@@ -348,8 +352,7 @@ def test_later_prompts_take_over_a_finished_streams_state_and_give_the_single_pr
     from cascadia.draft.client import LocalProposer
 
     fleet = fleet_of(2)
-    # turn4 shares turn1's first 40 tokens: no copy of them is left here (the next test leaves some)
-    config = SchedulerConfig(stages=2, rows_per_group=16, prefill_window=16, min_shared_prefix=0)
+    config = SchedulerConfig(stages=2, rows_per_group=16, prefill_window=16)
     prompt = tuple(int(t) for t in np.random.default_rng(3).integers(3, 500, size=40))
 
     async def go():
@@ -398,7 +401,9 @@ def test_later_prompts_take_over_a_finished_streams_state_and_give_the_single_pr
     assert cached == [0, fed, len(turns[1].prompt) - 2, 0]  # turn3 diverges at turn2's prompt's last token
     assert turn2_fed - cached[2] <= 32  # within the stages' rewind slack
     assert reused == fed + cached[2]
-    assert open_streams == [2, 2]  # turn3 and turn4 are kept; turn1 and turn2 were taken over
+    # turn3 parts from turn2's prompt (its last message edited): it starts as a copy, and turn2 stays kept;
+    # turn4 parts from the others' prompts 40 tokens in and leaves a copy of those
+    assert open_streams == [4, 4]  # turn2, turn3, turn4 and that copy are kept; turn1 was taken over
     if speculate:
         assert spec["rounds"] > 0
 

@@ -453,7 +453,7 @@ def test_common_prefix_agrees_with_a_token_by_token_count():
 
 
 def test_a_shared_prefix_is_worth_a_copy_only_past_what_is_served_and_copies_step_back_within_the_slack():
-    from cascadia.router.scheduler import Kept, prefix_source, shared_prefix
+    from cascadia.router.scheduler import Kept, kept_source, reusable, shared_prefix
 
     recent = [(1, 2, 3, 4, 5, 6), (1, 2, 9)]
     assert shared_prefix(recent, (1, 2, 3, 4, 8), copied=0, shortest=4) == 4
@@ -464,13 +464,17 @@ def test_a_shared_prefix_is_worth_a_copy_only_past_what_is_served_and_copies_ste
     assert shared_prefix([(1, 2, 3, 4)], (1, 2, 3, 4, 5, 6), copied=0, shortest=2) == 0
     assert shared_prefix([(1, 2, 3, 4, 5, 6)], (1, 2, 3), copied=0, shortest=2) == 0
     kept = {
-        "conversation": Kept((1, 2, 3, 4, 5), reached=5),  # taken over, never copied
+        "conversation": Kept((1, 2, 3, 4, 5), reached=5, prompt=3),
         "p": Kept((1, 2, 3, 4), reached=6, prefix=True),
     }
-    assert prefix_source(kept, (1, 2, 3, 4, 7, 7), slack=2) == ("p", 4)
-    assert prefix_source(kept, (1, 2, 3, 4), slack=2) is None  # 3 positions (the last is fed): 3 back
-    assert prefix_source(kept, (1, 2, 3, 4), slack=3) == ("p", 3)
-    assert prefix_source(kept, (5, 1), slack=8) is None
+    assert kept_source(kept, (1, 2, 3, 4, 7, 7), slack=2) == ("p", 4)  # a tie: the shared prefix
+    assert kept_source(kept, (1, 2, 3, 4), slack=2) == ("conversation", 3)  # 3 positions: 3 back from "p"
+    assert kept_source(kept, (1, 2, 3, 4), slack=3) == ("p", 3)
+    assert kept_source(kept, (5, 1), slack=8) is None
+    assert kept_source(kept, (1, 2, 3, 4, 7), slack=8, mtp=True) is None  # the MTP head follows neither
+    # only a prompt that holds a finished stream's prompt whole takes it over; a prompt never takes a prefix
+    assert reusable(kept, (1, 2, 3, 9), slack=8) == ("conversation", 3)
+    assert reusable(kept, (1, 2, 9), slack=8) is None
 
 
 def _run_prompt(s: Scheduler, rid: str, prompt: tuple[int, ...], token: int = 1) -> list[Frame]:
@@ -516,9 +520,7 @@ def test_a_shared_prefix_on_its_way_is_given_up_with_its_frame_or_with_the_kept_
     s = Scheduler(config)
     s.set_chain_ready(True)
     s.rewind_slack = 2
-    _run_prompt(s, "a", (*system, 1))
-    frames = _run_prompt(s, "b", (*system, *range(20, 30)))  # takes "a" over: served as far as they share
-    assert not any(r.prefix for f in frames for r in f.rows) and s.kept_streams == 1
+    _run_prompt(s, "a", (*system, *range(40, 45)))  # fed 5 past where the next prompt parts: no copy
     s.submit(Request("c", (*system, 2, 3), SamplingParams(max_tokens=3)))
     (frame,) = s.next_frames()
     assert [(r.stream, r.start, len(r.tokens)) for r in frame.rows] == [("c", 0, 9)]  # stops where they part
@@ -561,24 +563,17 @@ def test_shared_prefixes_count_as_kept_streams_and_the_one_last_copied_gives_way
         SchedulerConfig(stages=1, min_shared_prefix=-1)
 
 
-def test_a_prompt_that_takes_over_a_stream_it_parts_from_leaves_a_copy_of_what_they_share():
+def test_a_prompt_that_parts_from_a_finished_streams_prompt_starts_as_a_copy_and_leaves_it_for_its_next_turn():
     s = Scheduler(SchedulerConfig(stages=1, rows_per_group=16, prefill_window=16, min_shared_prefix=8))
     s.set_chain_ready(True)
     s.rewind_slack = 8
     system = tuple(range(100, 120))
-    _run_prompt(s, "a", (*system, 1, 2, 3))  # kept, fed to 23
-    s.submit(Request("b", (*system, 4, 5, 6, 7), SamplingParams(max_tokens=3)))
+    _run_prompt(s, "a", (*system, 1, 2, 3), token=9)  # kept, fed to 23
+    s.submit(Request("b", (*system, 4, 5, 6, 7), SamplingParams(max_tokens=1)))  # another user
     (frame,) = s.next_frames()
-    assert [(r.stream, r.resume_from, r.start) for r in frame.rows] == [("b", "a", 20)]
-    s.on_frame_done(frame.id, {"b": 9})
-    (frame,) = s.next_frames()  # "a" is gone, yet "b" holds what they share: a copy of it is kept
-    rows = {r.stream: r for r in frame.rows}
-    assert (rows["prefix-1"].copy_from, rows["prefix-1"].start, rows["b"].start) == ("b", 19, 24)
-    with pytest.raises(ValueError, match="already known"):  # the name is the copy's while it is on its way
-        s.submit(Request("prefix-1", (1, 2), SamplingParams()))
-    s.on_frame_done(frame.id, {"b": 9})
-    assert s.kept("prefix-1")
-    s.submit(Request("c", (*system, 8), SamplingParams(max_tokens=1)))
+    assert [(r.stream, r.copy_from, r.resume_from, r.start) for r in frame.rows] == [("b", "a", "", 20)]
+    assert s.on_frame_done(frame.id, {"b": 5})[0].cached == 20 and s.kept("a")
+    s.submit(Request("a2", (*system, 1, 2, 3, 9, 6), SamplingParams(max_tokens=1)))  # a's next turn
     (frame,) = s.next_frames()
-    rows = {r.stream: r for r in frame.rows}
-    assert (rows["c"].copy_from, rows["c"].start) == ("prefix-1", 20)
+    assert [(r.stream, r.copy_from, r.resume_from, r.start) for r in frame.rows] == [("a2", "", "a", 23)]
+    assert not s.kept("a") and s.take_dropped() == []

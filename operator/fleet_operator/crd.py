@@ -159,8 +159,9 @@ SPEC = _object(
                     8,
                 ),
                 "minSharedPrefix": _int(
-                    "Tokens a prompt must share with a recent one, and go on differently, to leave a kept copy "
-                    "of its state where they part (one system prompt, other questions); 0: none.",
+                    "Tokens a prompt must share with a finished or recent one, and go on differently (one system "
+                    "prompt, other questions), to start as a copy of the finished stream or leave a kept copy of "
+                    "its own where they part; 0: none.",
                     0,
                     524288,
                     32,

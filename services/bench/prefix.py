@@ -1,14 +1,17 @@
-"""`cascadia bench prefix`: users who share one system prompt, with kept copies of shared prefixes and without.
+"""`cascadia bench prefix`: prompts that start alike, computed once and every time.
 
-One local fleet and one router driver. Each round sends the same users' questions, one after the other,
-twice: with the router keeping finished streams and copies of the prefixes prompts share (its
-defaults), and with nothing kept (`--keep-finished 0`). Every round and mode opens its system prompt
-with a name of its own, so each starts with nothing the router has seen. A user's time to first token
-is compared within the round, so a slow spell of the machine hits both modes of the pair.
+One local fleet and one router driver. Each round sends the same users' questions after one system
+prompt, one after the other, twice: with the router keeping finished streams and copies of the
+prefixes prompts share (its defaults), and with nothing kept (`--keep-finished 0`). Then it asks one
+question for several sampled choices at once (a request's `n`), twice: with the later choices
+starting as copies of the first, and with every choice computing its prompt. Every round and mode
+opens its system prompt with a name of its own, so each starts with nothing the router has seen.
+Times are compared within the round, so a slow spell of the machine hits both modes of the pair.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import statistics
 from dataclasses import dataclass, replace
@@ -19,6 +22,8 @@ from rich.console import Console
 
 from cascadia.bench.turns import KEEP, OPENING
 from cascadia.engine.sampling import SamplingParams
+
+CHOICE = {"temperature": 0.8, "top_p": 0.95}  # how each of a question's choices is sampled
 
 QUESTIONS = (
     "Who opens the shutters?",
@@ -38,6 +43,7 @@ class PrefixBenchConfig:
     out: Path
     shards: int
     users: int  # questions asked after one system prompt, one after the other
+    choices: int  # sampled choices of one question, asked at once
     repeats: int
     answer_tokens: int  # past the rewind slack, so that no user's finished stream serves the next one
     system_repeats: int  # how many times the system prompt says its passage: the shared prefix's length
@@ -60,14 +66,35 @@ async def _users(driver, codec, config: PrefixBenchConfig, system: str, tag: str
     return out
 
 
-def _paired(shared: list[dict[str, Any]], computed: list[dict[str, Any]]) -> float:
-    """The median over rounds of each round's own ratio of times to first token."""
-    return statistics.median(c["ttft_s"] / s["ttft_s"] for s, c in zip(shared, computed, strict=True) if s["ttft_s"])
+async def _choices(driver, codec, config: PrefixBenchConfig, system: str, tag: str) -> dict[str, Any]:
+    """One question's choices at once: when the last one's first token came, and when all were done."""
+    from cascadia.bench.driving import answer
+
+    prompt = codec.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": QUESTIONS[0]}])
+    started = asyncio.get_running_loop().time()
+    answered = await asyncio.gather(
+        *(
+            answer(driver, f"{tag}-{i}", prompt, SamplingParams(**CHOICE, seed=i, max_tokens=config.answer_tokens))
+            for i in range(config.choices)
+        )
+    )
+    return {
+        "prompt_tokens": len(prompt),
+        "cached": [a.cached for a in answered],
+        "ttft_s": max(a.ttft_s for a in answered),
+        "done_s": asyncio.get_running_loop().time() - started,
+    }
+
+
+def _paired(shared: list[dict[str, Any]], computed: list[dict[str, Any]], key: str = "ttft_s") -> float:
+    """The median over rounds of each round's own ratio of times (to the first token by default)."""
+    return statistics.median(c[key] / s[key] for s, c in zip(shared, computed, strict=True) if s[key])
 
 
 async def _run(config: PrefixBenchConfig, driver, codec, console: Console) -> dict[str, Any]:
     base = driver.scheduler.config
     runs: dict[str, list[list[dict[str, Any]]]] = {"shared": [], "computed": []}
+    choices: dict[str, list[dict[str, Any]]] = {"copied": [], "computed": []}
     for repeat in range(config.repeats):
         for mode, keep in (("shared", KEEP), ("computed", 0)):
             driver.scheduler.config = replace(base, keep_finished=keep)
@@ -76,6 +103,16 @@ async def _run(config: PrefixBenchConfig, driver, codec, console: Console) -> di
             runs[mode].append(await _users(driver, codec, config, system, f"{mode}-{repeat}"))
         ttft = {mode: [round(u["ttft_s"], 3) for u in r[-1]] for mode, r in runs.items()}
         console.print(f"round {repeat + 1}/{config.repeats}: time to first token by user (s) {ttft}")
+        driver.scheduler.config = replace(base, keep_finished=0)
+        for mode in choices:
+            # with nothing taken over the stages hold each stream from its first position: no copies
+            driver.scheduler.taking_over = mode == "copied"
+            system = system_prompt(f"{mode} choices {repeat + 1}", config.system_repeats)
+            choices[mode].append(await _choices(driver, codec, config, system, f"{mode}-choices-{repeat}"))
+        driver.scheduler.taking_over = True
+        last = {mode: (round(c[-1]["ttft_s"], 3), round(c[-1]["done_s"], 3)) for mode, c in choices.items()}
+        console.print(f"round {repeat + 1}/{config.repeats}: {config.choices} choices, (last first token, done) {last}")
+    driver.scheduler.config = base
     users = []
     for user in range(config.users):
         shared = [r[user] for r in runs["shared"]]
@@ -92,7 +129,23 @@ async def _run(config: PrefixBenchConfig, driver, codec, console: Console) -> di
         )
     # the first user finds nothing and the second leaves the copy: the ones after it start from it
     later = {mode: [u for r in rounds for u in r[2:]] for mode, rounds in runs.items()}
-    return {"users": users, "later_users_paired_speedup": _paired(later["shared"], later["computed"])}
+    copied, computed = choices["copied"], choices["computed"]
+    n_choices = {
+        "choices": config.choices,
+        "prompt_tokens": copied[0]["prompt_tokens"],
+        "cached_tokens": [statistics.median(c["cached"][i] for c in copied) for i in range(config.choices)],
+        "last_first_token_s_copied": statistics.median(c["ttft_s"] for c in copied),
+        "last_first_token_s_computed": statistics.median(c["ttft_s"] for c in computed),
+        "done_s_copied": statistics.median(c["done_s"] for c in copied),
+        "done_s_computed": statistics.median(c["done_s"] for c in computed),
+        "paired_first_token_speedup": _paired(copied, computed),
+        "paired_done_speedup": _paired(copied, computed, "done_s"),
+    }
+    return {
+        "users": users,
+        "later_users_paired_speedup": _paired(later["shared"], later["computed"]),
+        "n_choices": n_choices,
+    }
 
 
 def run_prefix_bench(config: PrefixBenchConfig, console: Console) -> dict[str, Any]:

@@ -88,6 +88,19 @@ class MtpHead:
             if source in block.streams:
                 block.adopt(source, stream, block.position(source))
 
+    def copy(self, source: Hashable, stream: Hashable) -> None:
+        """Open `stream` holding `source`'s state at every depth, where it stands; `source` goes on as it was."""
+        copied = []
+        try:
+            for block in self.blocks:
+                if source in block.streams:
+                    block.copy(source, stream, block.position(source))
+                    copied.append(block)
+        except Exception:  # a budget exceeded: nothing is left open
+            for block in copied:
+                block.close(stream)
+            raise
+
     def position(self, depth: int, stream: Hashable) -> int:
         return self.blocks[depth].position(stream)
 
@@ -143,6 +156,20 @@ class MtpDrafter:
         self.head.adopt(source, stream)
         self._streams[stream] = record
         # the token at `position` is the new prompt's, which may differ from the one `source` read there
+        self._step_back(stream, min(position, record.rows), position)
+
+    def copy(self, source: Hashable, stream: Hashable, position: int) -> None:
+        """Open `stream` as a copy of `source`'s record and depths, stepped back to `position` trunk rows (a
+        prompt that starts as `source`'s did and parts from it at `position`); `source` goes on as it was.
+        Within the rewind slack less one, as `adopt`."""
+        if stream in self._streams:
+            raise ValueError(f"stream {stream!r} is already open")
+        held = self._streams[source]
+        # the rows' arrays are never written in place, only replaced or dropped: the dicts can share them
+        record = _StreamRecord(held.depths, held.rows, list(held.tokens), dict(held.trunk))
+        record.outputs = [dict(rows) for rows in held.outputs]
+        self.head.copy(source, stream)
+        self._streams[stream] = record
         self._step_back(stream, min(position, record.rows), position)
 
     def confirm(self, stream: Hashable, start: int, trunk_rows: np.ndarray, ids: Sequence[int]) -> None:

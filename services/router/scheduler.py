@@ -48,8 +48,9 @@ class SchedulerConfig:
     keep_finished: int = 8
     # prompts that start with this many tokens or more of a recent prompt, and go on differently (one
     # system prompt, other questions), leave a copy of their state where the two part: a kept stream
-    # that later prompts starting alike begin as copies of (0: none). Such prefixes are kept as
-    # finished streams are, within keep_finished
+    # that later prompts starting alike begin as copies of. Such prefixes are kept as finished streams
+    # are, within keep_finished; a prompt that starts with this many tokens of a finished stream's and
+    # parts from its prompt starts as a copy of it too (0: neither)
     min_shared_prefix: int = 32
 
     @property
@@ -242,6 +243,9 @@ class Kept:
     reached: int  # the furthest position it was fed, which a rewind may go back at most the slack from
     mtp: bool = False  # the last stage's MTP head follows it: only such a stream takes it over
     prefix: bool = False  # a prefix prompts share: later prompts start as copies of it, none takes it over
+    # its request's prompt tokens: a prompt holding all of them continues it (a next turn, the same
+    # question again) and takes it over; one that parts sooner (another user) starts as a copy of it
+    prompt: int = 0
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -262,16 +266,20 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 def reusable(
     kept: dict[RequestId, Kept], prompt: Sequence[int], slack: int, mtp: bool = False
 ) -> tuple[RequestId, int] | None:
-    """The kept stream whose positions serve most of `prompt`, and how many: a prompt's last token is
-    always fed again (its row gives the first token). A stream can be stepped back at most `slack`
-    positions behind the furthest it was fed (one less where the MTP head follows it: its depths step
-    back a row further); on a tie the one kept last wins. `mtp`: whether the MTP head is to follow the
-    new stream, as it must have followed the kept one."""
+    """The kept stream `prompt` continues whose positions serve most of it, and how many: a prompt's last
+    token is always fed again (its row gives the first token). `prompt` must hold the kept stream's own
+    prompt whole. A stream can be stepped back at most `slack` positions behind the furthest it was fed
+    (one less where the MTP head follows it: its depths step back a row further); on a tie the one kept
+    last wins. `mtp`: whether the MTP head is to follow the new stream, as it must have followed the
+    kept one."""
     best: tuple[RequestId, int] | None = None
     for stream, held in kept.items():
         if held.mtp != mtp or held.prefix:
             continue
-        positions = min(common_prefix(held.tokens, prompt), len(prompt) - 1)
+        shared = common_prefix(held.tokens, prompt)
+        if shared < held.prompt:
+            continue  # it parts from the kept stream's prompt: a copy serves it, and the stream stays
+        positions = min(shared, len(prompt) - 1)
         reach = slack - 1 if mtp else slack
         if positions > 0 and held.reached - positions <= reach and (best is None or positions >= best[1]):
             best = (stream, positions)
@@ -293,18 +301,25 @@ def copy_source(running: dict[RequestId, tuple[int, ...]], prompt: Sequence[int]
     return best
 
 
-def prefix_source(kept: dict[RequestId, Kept], prompt: Sequence[int], slack: int) -> tuple[RequestId, int] | None:
-    """The kept shared prefix that serves most of `prompt`, and how many positions a copy of it would start
-    with (never the prompt's last token, which is always fed): within `slack` of the prefix's end, since a
-    copy steps the prefix's state back to where the prompts part. On a tie the one kept last wins."""
-    best: tuple[RequestId, int] | None = None
+def kept_source(
+    kept: dict[RequestId, Kept], prompt: Sequence[int], slack: int, mtp: bool = False, shortest: int = 1
+) -> tuple[RequestId, int] | None:
+    """The kept stream (a shared prefix, or a finished stream) that serves most of `prompt` as a copy, at
+    least `shortest` positions, and how many the copy would start with (never the prompt's last token,
+    which is always fed): within `slack` of the furthest it was fed (one less where the MTP head follows
+    it), since a copy steps its state back to where the prompts part. On a tie a shared prefix wins,
+    then the one kept last. `mtp`: whether the MTP head is to follow the copy, as it must follow the kept
+    stream."""
+    best: tuple[RequestId, int, bool] | None = None
+    reach = slack - 1 if mtp else slack
     for stream, held in kept.items():
-        if not held.prefix:
+        if held.mtp != mtp:
             continue
         positions = min(common_prefix(held.tokens, prompt), len(prompt) - 1)
-        if positions > 0 and held.reached - positions <= slack and (best is None or positions >= best[1]):
-            best = (stream, positions)
-    return best
+        better = best is None or (positions, held.prefix) >= best[1:]
+        if positions >= max(shortest, 1) and held.reached - positions <= reach and better:
+            best = (stream, positions, held.prefix)
+    return None if best is None else best[:2]
 
 
 def shared_prefix(recent: Sequence[Sequence[int]], prompt: Sequence[int], copied: int, shortest: int) -> int:
@@ -559,7 +574,8 @@ class Scheduler:
             return
         request = stream.request
         fed = len(request.prompt) + len(stream.generated) - 1
-        self._kept[request.id] = Kept((request.prompt + tuple(stream.generated))[:fed], stream.reached, stream.mtp)
+        tokens = (request.prompt + tuple(stream.generated))[:fed]
+        self._kept[request.id] = Kept(tokens, stream.reached, stream.mtp, prompt=len(request.prompt))
         while len(self._kept) > self.config.keep_finished:
             self._drop_oldest()
 
@@ -648,9 +664,8 @@ class Scheduler:
             stream = _Stream(request)
             found = self._reusable(request)
             copied = self._copyable(request)
-            # a kept stream becomes this one, unless a copy serves as much: another conversation's
-            # stream is then kept for its own next turn
-            if found is not None and (copied is None or found[1] > copied[1]):
+            # a kept stream this prompt continues becomes this one, unless a copy serves more
+            if found is not None and (copied is None or found[1] >= copied[1]):
                 source, positions = found
                 held = self._kept.pop(source)
                 stream.position, stream.reached, stream.resume_from = positions, held.reached, source
@@ -659,7 +674,7 @@ class Scheduler:
             else:
                 if copied is not None:  # opens once the source has been fed that far
                     stream.copy_of, stream.position = copied
-                    if copied[0] in self._kept:  # a shared prefix: the last used gives way last
+                    if copied[0] in self._kept:  # the kept stream last copied gives way last
                         self._kept[copied[0]] = self._kept.pop(copied[0])
                 if len(self._active) + len(self._sharing) >= self.config.max_streams:
                     return  # giving kept streams up would not make room
@@ -690,14 +705,26 @@ class Scheduler:
         return reusable(self._kept, request.prompt, self.rewind_slack, self._follows_mtp(request))
 
     def _copyable(self, request: Request) -> tuple[RequestId, int] | None:
-        """A running stream this request may start as a copy of: neither the MTP head follows (its state is
-        not copied), nor is it a scored prompt or a capture. A copy steps its source's state back at least
-        one position (its last prompt token is fed again), so without a rewind slack there is none."""
-        if self.rewind_slack < 1 or not self.taking_over or request.score_prompt or self._follows_mtp(request):
+        """A running stream or a kept shared prefix this request may start as a copy of: not for a scored
+        prompt or a capture. A copy steps its source's state back at least one position (its last prompt
+        token is fed again), and the MTP head's depths one more, so without that rewind slack there is none."""
+        mtp = self._follows_mtp(request)
+        if self.rewind_slack < 1 + mtp or not self.taking_over or request.score_prompt:
             return None
-        running = {i: s.request.prompt for i, s in self._active.items() if not s.mtp and not s.copy_of}
-        found = [copy_source(running, request.prompt), prefix_source(self._kept, request.prompt, self.rewind_slack)]
+        # the MTP head follows a copy only of a stream it follows, and only such a stream is copied for it; a
+        # copy that has not opened has been sent nothing yet
+        running = {
+            i: s.request.prompt for i, s in self._active.items() if self._mtp(s) == mtp and (s.opened or not s.copy_of)
+        }
+        found = [copy_source(running, request.prompt)]
+        if self.config.min_shared_prefix:  # a kept stream is copied as far as a shared prefix is worth it
+            shortest = self.config.min_shared_prefix
+            found.append(kept_source(self._kept, request.prompt, self.rewind_slack, mtp, shortest))
         return max((f for f in found if f is not None), key=lambda f: f[1], default=None)
+
+    def _mtp(self, stream: _Stream) -> bool:
+        """Whether the MTP head follows `stream`, or will once it opens."""
+        return stream.mtp if stream.opened else self._follows_mtp(stream.request)
 
     def _follows_mtp(self, request: Request) -> bool:
         return self.config.mtp_draft > 0 and speculable(request)
@@ -781,30 +808,28 @@ class Scheduler:
             if not end or not stream.opened or stream.position < end - 1 or len(rows) == budget:
                 continue
             stream.shares = 0
-            if stream.reached - (end - 1) > self.rewind_slack:
+            if stream.reached - (end - 1) > self.rewind_slack - stream.mtp:  # the MTP head's depths: one more
                 continue
             while self._kept and self._held_streams() >= self.config.max_streams:
                 self._drop_oldest()
             if self._held_streams() >= self.config.max_streams:
                 continue
             name, prompt = self._prefix_name(), stream.request.prompt
-            self._sharing[name] = Kept(prompt[:end], max(stream.reached, end), prefix=True)
-            rows.append(Row(name, end - 1, (prompt[end - 1],), False, True, copy_from=stream.request.id, prefix=True))
+            self._sharing[name] = Kept(prompt[:end], max(stream.reached, end), stream.mtp, prefix=True)
+            last = (prompt[end - 1],)
+            rows.append(Row(name, end - 1, last, False, True, mtp=stream.mtp, copy_from=stream.request.id, prefix=True))
         return rows
 
     def _copy_ready(self, stream: _Stream) -> bool:
         """Whether a stream waiting to start as a copy can open now: its source has been sent its positions
         (stages run frames in order, so this frame sees them) and has not gone past the rewind slack. A
-        source gone or too far ahead leaves the stream to compute its prompt itself, from the start. A
-        kept shared prefix is always ready, as long as it is kept."""
-        held = self._kept.get(stream.copy_of)
-        if held is not None and held.prefix:
-            stream.reached = held.reached
-            return True
-        source = self._active.get(stream.copy_of)
-        if source is not None and source.position < stream.position:
+        source gone or too far ahead leaves the stream to compute its prompt itself, from the start. A kept
+        stream is ready as long as it is kept (a running source may have finished and been kept)."""
+        source: _Stream | Kept | None = self._kept.get(stream.copy_of) or self._active.get(stream.copy_of)
+        if isinstance(source, _Stream) and source.position < stream.position:
             return False  # not there yet
-        if source is None or source.reached - stream.position > self.rewind_slack:
+        reach = self.rewind_slack - self._follows_mtp(stream.request)  # the MTP head's depths step back one more
+        if source is None or source.reached - stream.position > reach:
             stream.copy_of, stream.position = "", 0
             return True
         stream.reached = source.reached

@@ -111,8 +111,11 @@ def check_frame(
             source = opened.copy_from
             if opened.resume_from or source not in after or not 0 <= opened.position <= after[source]:
                 raise FrameRejected(f"stream '{opened.stream}': cannot copy '{source}' at {opened.position}")
-            if opened.mtp:
-                raise FrameRejected(f"stream '{opened.stream}': the MTP head does not follow a copied stream")
+            if opened.mtp != (source in mtp_streams):
+                raise FrameRejected(
+                    f"stream '{opened.stream}': a stream the MTP head follows copies only such a stream, and only "
+                    "such a stream copies one"
+                )
         try:
             sampling_params(opened.sampling)
         except ValueError as exc:
@@ -358,6 +361,9 @@ class ShardServicer(rpc.ShardServicer):
                     capture.closed(opened.resume_from)
             elif opened.copy_from:
                 engine.copy(opened.copy_from, opened.stream, opened.position)
+                # the MTP head follows the copy from where it was (unless it had given up on the source)
+                if drafter is not None and opened.mtp and opened.copy_from in drafter.streams:
+                    drafter.copy(opened.copy_from, opened.stream, opened.position)
             else:
                 engine.open(opened.stream, opened.context or None)
                 if drafter is not None and opened.mtp:
