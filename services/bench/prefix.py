@@ -189,20 +189,31 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
 
     users = summary["users"]
     x = [u["user"] for u in users]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     axes[0].plot(x, [u["ttft_s_computed"] for u in users], marker="o", label="every prompt computed")
-    axes[0].plot(x, [u["ttft_s_shared"] for u in users], marker="o", label="shared prefixes kept")
-    axes[0].set_xlabel("user (one after the other)")
+    axes[0].plot(x, [u["ttft_s_shared"] for u in users], marker="o", label="copies and kept streams")
+    axes[0].set_xlabel("user after one system prompt (one after the other)")
     axes[0].set_ylabel("time to first token (s, median)")
     axes[0].legend()
     axes[1].bar(x, [u["prompt_tokens"] for u in users], label="prompt tokens", color="lightgrey")
     axes[1].bar(x, [u["cached_tokens"] for u in users], label="started with (copied or taken over)", color="tab:orange")
     axes[1].set_xlabel("user")
     axes[1].set_ylabel("tokens")
-    for ax in axes:
+    axes[1].legend(loc="lower right")
+    for ax in axes[:2]:
         ax.set_xticks(x)
-    axes[1].legend()
-    fig.suptitle(f"Users sharing a system prompt on {summary['model']} across {summary['shards']} shards")
+    choices = summary["n_choices"]
+    spots = [0, 1]
+    width = 0.38
+    for offset, mode, colour in ((-width / 2, "computed", "tab:blue"), (width / 2, "copied", "tab:orange")):
+        times = [choices[f"last_first_token_s_{mode}"], choices[f"done_s_{mode}"]]
+        label = "every choice computes the prompt" if mode == "computed" else "later choices start as copies"
+        axes[2].bar([p + offset for p in spots], times, width, label=label, color=colour)
+    axes[2].set_xticks(spots, ["last choice's first token", "all choices done"])
+    axes[2].set_ylabel("seconds (median)")
+    axes[2].set_title(f"one question, {choices['choices']} choices at once", fontsize=10)
+    axes[2].legend(loc="upper left")
+    fig.suptitle(f"Prompts that start alike on {summary['model']} across {summary['shards']} shards")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
