@@ -223,38 +223,53 @@ def test_drafts_follow_the_reference_chain_through_rewinds(mtp_model: Path, refe
     assert tokens["a"] == plain["a"][: len(tokens["a"])] and tokens["b"] == plain["b"][: len(tokens["b"])]
 
 
+class _Followed:
+    """A trunk and an MTP drafter over it, fed greedily: each feed confirms the rows and samples."""
+
+    def __init__(self, model: Path, head: MtpHead) -> None:
+        self.trunk = StageEngine(load_stage(model, 0, 5), EngineSettings())
+        self.drafter = MtpDrafter(head)
+
+    def open(self, stream: str, ids: list[int]) -> int:
+        """Open `stream`, feed `ids` and bring every depth up to date; returns the sampled token."""
+        self.trunk.open(stream)
+        self.drafter.open(stream)
+        token = self.feed(stream, 0, ids)
+        self.drafter.propose({stream: DEPTHS})
+        return token
+
+    def feed(self, stream: str, start: int, ids: list[int]) -> int:
+        step = self.trunk.step([Segment(stream, start, len(ids))], np.asarray(ids))
+        self.drafter.confirm(stream, start, step.hidden, ids)
+        token = int(step.logits[-1].argmax())
+        self.drafter.sampled(stream, token)
+        return token
+
+    def close_all(self) -> None:
+        for stream in self.drafter.streams:
+            self.drafter.close(stream)
+            self.trunk.close(stream)
+
+
 def test_a_stream_taking_over_a_finished_one_drafts_as_the_reference_chain(
     mtp_model: Path, reference: MtpReference, head: MtpHead
 ):
     """A later prompt that starts with a finished stream's tokens takes over its trunk state and its
     depths, stepped back to where the prompts part: the drafts are the reference chain's on the new
     sequence, as if the new prompt had been fed from its start."""
-    trunk = StageEngine(load_stage(mtp_model, 0, 5), EngineSettings())
-    drafter = MtpDrafter(head)
-
-    def feed(stream: str, start: int, ids: list[int]) -> int:
-        step = trunk.step([Segment(stream, start, len(ids))], np.asarray(ids))
-        drafter.confirm(stream, start, step.hidden, ids)
-        token = int(step.logits[-1].argmax())
-        drafter.sampled(stream, token)
-        return token
-
+    followed = _Followed(mtp_model, head)
     old = prompt(5, 20)
-    trunk.open("old")
-    drafter.open("old")
-    token = feed("old", 0, old)
-    drafter.propose({"old": DEPTHS})  # every depth is current
-    feed("old", len(old), [token])  # and one decoded row more
+    token = followed.open("old", old)
+    followed.feed("old", len(old), [token])  # and one decoded row more
     new = [*old[:16], *prompt(6, 5)]
     try:
-        trunk.adopt("old", "new", 16)
-        drafter.adopt("old", "new", 16)
-        assert drafter.streams == ["new"] and all(block.streams == ["new"] for block in head.blocks)
-        token = feed("new", 16, new[16:])
-        assert drafter.propose({"new": DEPTHS})["new"] == reference.drafts([*new, token], DEPTHS)
+        followed.trunk.adopt("old", "new", 16)
+        followed.drafter.adopt("old", "new", 16)
+        assert followed.drafter.streams == ["new"] and all(block.streams == ["new"] for block in head.blocks)
+        token = followed.feed("new", 16, new[16:])
+        assert followed.drafter.propose({"new": DEPTHS})["new"] == reference.drafts([*new, token], DEPTHS)
     finally:
-        for stream in drafter.streams:
-            drafter.close(stream)
+        followed.close_all()
 
 
 def test_a_copy_of_a_stream_and_the_stream_itself_each_draft_as_the_reference_chain(
@@ -262,37 +277,23 @@ def test_a_copy_of_a_stream_and_the_stream_itself_each_draft_as_the_reference_ch
 ):
     """A prompt that starts as a running stream's did starts as a copy of its trunk state and depths,
     stepped back to where the prompts part: both then draft the reference chain on their own sequences."""
-    trunk = StageEngine(load_stage(mtp_model, 0, 5), EngineSettings())
-    drafter = MtpDrafter(head)
-
-    def feed(stream: str, start: int, ids: list[int]) -> int:
-        step = trunk.step([Segment(stream, start, len(ids))], np.asarray(ids))
-        drafter.confirm(stream, start, step.hidden, ids)
-        token = int(step.logits[-1].argmax())
-        drafter.sampled(stream, token)
-        return token
-
+    followed = _Followed(mtp_model, head)
     old = prompt(7, 20)
-    trunk.open("old")
-    drafter.open("old")
-    token = feed("old", 0, old)
-    drafter.propose({"old": DEPTHS})  # every depth is current
+    token = followed.open("old", old)
     new = [*old[:16], *prompt(8, 5)]
     try:
-        trunk.copy("old", "new", 16)
-        drafter.copy("old", "new", 16)
-        assert sorted(drafter.streams) == ["new", "old"]
-        new_token = feed("new", 16, new[16:])
-        old_token = feed("old", len(old), [token])  # the source goes on where it was
-        drafts = drafter.propose({"new": DEPTHS, "old": DEPTHS})
+        followed.trunk.copy("old", "new", 16)
+        followed.drafter.copy("old", "new", 16)
+        assert sorted(followed.drafter.streams) == ["new", "old"]
+        new_token = followed.feed("new", 16, new[16:])
+        old_token = followed.feed("old", len(old), [token])  # the source goes on where it was
+        drafts = followed.drafter.propose({"new": DEPTHS, "old": DEPTHS})
         assert drafts["new"] == reference.drafts([*new, new_token], DEPTHS)
         assert drafts["old"] == reference.drafts([*old, token, old_token], DEPTHS)
         with pytest.raises(ValueError, match="already open"):
-            drafter.copy("old", "new", 3)
+            followed.drafter.copy("old", "new", 3)
     finally:
-        for stream in drafter.streams:
-            drafter.close(stream)
-            trunk.close(stream)
+        followed.close_all()
 
 
 def test_greedy_ids_are_the_same_with_and_without_mtp(mtp_model: Path, head: MtpHead, tiny: Path):

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from rich.console import Console
@@ -59,3 +61,52 @@ async def answer(driver: Any, request_id: str, prompt: Sequence[int], params: An
         raise RuntimeError(f"request {request_id}: {pending.error}")
     first, _ = pending.events.get_nowait()
     return Answered(list(pending.tokens), first.cached, pending.first_token_at - started)
+
+
+def chat_fleet_bench(
+    model: Path,
+    shards: int,
+    out: Path,
+    name: str,
+    console: Console,
+    measure: Callable[[Any, Any], Awaitable[dict[str, Any]]],
+    plot: Callable[[dict[str, Any], Path], None],
+    **fields: Any,
+) -> dict[str, Any]:
+    """`await measure(driver, codec)` on the f32 local fleet `cascadia up` gives a chat model, with its
+    schedule; the summary (`fields`, the machine and what `measure` returned) goes to NAME.json and its
+    plot to NAME.png."""
+    from cascadia.bench.machine import machine_summary
+    from cascadia.gateway.text import TextCodec
+    from cascadia.router.local import LocalFleet
+
+    out.mkdir(parents=True, exist_ok=True)
+    codec = TextCodec.from_model(model)
+    fleet = LocalFleet(model, shards, "f32")
+    scheduler = fleet.scheduler_config()
+    fleet.start(log_dir=out)
+    results = drive_local_fleet(fleet, scheduler, console, lambda driver: measure(driver, codec))
+    summary = {"model": model.name, "shards": shards, **fields, "machine": machine_summary(), **results}
+    (out / f"{name}.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot(summary, out / f"{name}.png")
+    return summary
+
+
+def plot_reuse(
+    axes: Any, points: list[dict[str, Any]], key: str, xlabel: str, slow: tuple[str, str], fast: tuple[str, str]
+) -> None:
+    """Two panels for `points` (by `key`): the median time to the first token of each mode (`slow` and
+    `fast`: its summary key and label) and, under each prompt's tokens, the tokens it started with."""
+    x = [p[key] for p in points]
+    for (field, label), ax in ((slow, axes[0]), (fast, axes[0])):
+        ax.plot(x, [p[field] for p in points], marker="o", label=label)
+    axes[0].set_xlabel(xlabel)
+    axes[0].set_ylabel("time to first token (s, median)")
+    axes[0].legend()
+    axes[1].bar(x, [p["prompt_tokens"] for p in points], label="prompt tokens", color="lightgrey")
+    axes[1].bar(x, [p["cached_tokens"] for p in points], label=f"started with ({fast[1]})", color="tab:orange")
+    axes[1].set_xlabel(key)
+    axes[1].set_ylabel("tokens")
+    axes[1].legend(loc="lower right")
+    for ax in axes[:2]:
+        ax.set_xticks(x)

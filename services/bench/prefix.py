@@ -12,7 +12,6 @@ Times are compared within the round, so a slow spell of the machine hits both mo
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -142,6 +141,7 @@ async def _run(config: PrefixBenchConfig, driver, codec, console: Console) -> di
         "paired_done_speedup": _paired(copied, computed, "done_s"),
     }
     return {
+        "min_shared_prefix": base.min_shared_prefix,
         "users": users,
         "later_users_paired_speedup": _paired(later["shared"], later["computed"]),
         "n_choices": n_choices,
@@ -149,36 +149,15 @@ async def _run(config: PrefixBenchConfig, driver, codec, console: Console) -> di
 
 
 def run_prefix_bench(config: PrefixBenchConfig, console: Console) -> dict[str, Any]:
-    from cascadia.bench.driving import drive_local_fleet
-    from cascadia.bench.machine import machine_summary
-    from cascadia.gateway.text import TextCodec
-    from cascadia.router.local import LocalFleet
+    from cascadia.bench.driving import chat_fleet_bench
 
-    config.out.mkdir(parents=True, exist_ok=True)
-    codec = TextCodec.from_model(config.model)
-    fleet = LocalFleet(config.model, config.shards, "f32")
-    scheduler = fleet.scheduler_config()  # the schedule `cascadia up` gives this fleet
-    fleet.start(log_dir=config.out)
-
-    async def run(driver) -> dict[str, Any]:
+    async def measure(driver, codec) -> dict[str, Any]:
         warm = replace(config, users=1)
         await _users(driver, codec, warm, system_prompt("warm-up", config.system_repeats), "warm-up")
         return await _run(config, driver, codec, console)
 
-    results = drive_local_fleet(fleet, scheduler, console, run)
-    summary = {
-        "model": config.model.name,
-        "shards": config.shards,
-        "answer_tokens": config.answer_tokens,
-        "repeats": config.repeats,
-        "keep_finished": KEEP,
-        "min_shared_prefix": scheduler.min_shared_prefix,
-        "machine": machine_summary(),
-        **results,
-    }
-    (config.out / "prefix.json").write_text(json.dumps(summary, indent=2) + "\n")
-    _plot(summary, config.out / "prefix.png")
-    return summary
+    fields = {"answer_tokens": config.answer_tokens, "repeats": config.repeats, "keep_finished": KEEP}
+    return chat_fleet_bench(config.model, config.shards, config.out, "prefix", console, measure, _plot, **fields)
 
 
 def _plot(summary: dict[str, Any], path: Path) -> None:
@@ -187,21 +166,11 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    users = summary["users"]
-    x = [u["user"] for u in users]
+    from cascadia.bench.driving import plot_reuse
+
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    axes[0].plot(x, [u["ttft_s_computed"] for u in users], marker="o", label="every prompt computed")
-    axes[0].plot(x, [u["ttft_s_shared"] for u in users], marker="o", label="copies and kept streams")
-    axes[0].set_xlabel("user after one system prompt (one after the other)")
-    axes[0].set_ylabel("time to first token (s, median)")
-    axes[0].legend()
-    axes[1].bar(x, [u["prompt_tokens"] for u in users], label="prompt tokens", color="lightgrey")
-    axes[1].bar(x, [u["cached_tokens"] for u in users], label="started with (copied or taken over)", color="tab:orange")
-    axes[1].set_xlabel("user")
-    axes[1].set_ylabel("tokens")
-    axes[1].legend(loc="lower right")
-    for ax in axes[:2]:
-        ax.set_xticks(x)
+    slow, fast = ("ttft_s_computed", "every prompt computed"), ("ttft_s_shared", "copied or taken over")
+    plot_reuse(axes, summary["users"], "user", "user after one system prompt (one after the other)", slow, fast)
     choices = summary["n_choices"]
     spots = [0, 1]
     width = 0.38

@@ -7,7 +7,6 @@ time to its first token is compared within the round.
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -96,34 +95,14 @@ async def _run(config: TurnsBenchConfig, driver, codec, console: Console) -> dic
 
 
 def run_turns_bench(config: TurnsBenchConfig, console: Console) -> dict[str, Any]:
-    from cascadia.bench.driving import drive_local_fleet
-    from cascadia.bench.machine import machine_summary
-    from cascadia.gateway.text import TextCodec
-    from cascadia.router.local import LocalFleet
+    from cascadia.bench.driving import chat_fleet_bench
 
-    config.out.mkdir(parents=True, exist_ok=True)
-    codec = TextCodec.from_model(config.model)
-    fleet = LocalFleet(config.model, config.shards, "f32")
-    scheduler = fleet.scheduler_config()  # the schedule `cascadia up` gives this fleet
-    fleet.start(log_dir=config.out)
-
-    async def run(driver) -> dict[str, Any]:
+    async def measure(driver, codec) -> dict[str, Any]:
         await _conversation(driver, codec, replace(config, turns=1), "warm-up")
         return await _run(config, driver, codec, console)
 
-    results = drive_local_fleet(fleet, scheduler, console, run)
-    summary = {
-        "model": config.model.name,
-        "shards": config.shards,
-        "answer_tokens": config.answer_tokens,
-        "repeats": config.repeats,
-        "keep_finished": KEEP,
-        "machine": machine_summary(),
-        **results,
-    }
-    (config.out / "turns.json").write_text(json.dumps(summary, indent=2) + "\n")
-    _plot(summary, config.out / "turns.png")
-    return summary
+    fields = {"answer_tokens": config.answer_tokens, "repeats": config.repeats, "keep_finished": KEEP}
+    return chat_fleet_bench(config.model, config.shards, config.out, "turns", console, measure, _plot, **fields)
 
 
 def _plot(summary: dict[str, Any], path: Path) -> None:
@@ -132,21 +111,11 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    turns = summary["turns"]
-    x = [t["turn"] for t in turns]
+    from cascadia.bench.driving import plot_reuse
+
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    axes[0].plot(x, [t["ttft_s_computed"] for t in turns], marker="o", label="history computed again")
-    axes[0].plot(x, [t["ttft_s_kept"] for t in turns], marker="o", label="last turn's state taken over")
-    axes[0].set_xlabel("turn")
-    axes[0].set_ylabel("time to first token (s, median)")
-    axes[0].legend()
-    axes[1].bar(x, [t["prompt_tokens"] for t in turns], label="prompt tokens", color="lightgrey")
-    axes[1].bar(x, [t["cached_tokens"] for t in turns], label="taken over", color="tab:orange")
-    axes[1].set_xlabel("turn")
-    axes[1].set_ylabel("tokens")
-    for ax in axes:
-        ax.set_xticks(x)
-    axes[1].legend()
+    slow, fast = ("ttft_s_computed", "history computed again"), ("ttft_s_kept", "last turn's state taken over")
+    plot_reuse(axes, summary["turns"], "turn", "turn", slow, fast)
     fig.suptitle(f"A conversation on {summary['model']} across {summary['shards']} shards")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
