@@ -577,3 +577,18 @@ def test_a_prompt_that_parts_from_a_finished_streams_prompt_starts_as_a_copy_and
     (frame,) = s.next_frames()
     assert [(r.stream, r.copy_from, r.resume_from, r.start) for r in frame.rows] == [("a2", "", "a", 23)]
     assert not s.kept("a") and s.take_dropped() == []
+
+
+def test_a_copy_whose_source_name_passed_to_another_prompt_computes_its_prompt_itself():
+    s = Scheduler(SchedulerConfig(stages=1, rows_per_group=64, prefill_window=64, min_shared_prefix=4))
+    s.set_chain_ready(True)
+    s.rewind_slack = 8
+    system = tuple(range(100, 110))
+    _run_prompt(s, "a", (*system, 1, 2))
+    s.submit(Request("b", (*system, 3, 4), SamplingParams(max_tokens=1)))
+    s._admit()  # to start as a copy of "a" at 10, not yet in a frame
+    s.drop_kept("a")  # "a"'s name is wanted again, by another prompt
+    s.submit(Request("a", tuple(range(200, 220)), SamplingParams(max_tokens=1)))
+    (frame,) = s.next_frames()
+    rows = {r.stream: (r.copy_from, r.start) for r in frame.rows}
+    assert rows == {"a": ("", 0), "b": ("", 0)}

@@ -826,6 +826,8 @@ class Scheduler:
         source gone or too far ahead leaves the stream to compute its prompt itself, from the start. A kept
         stream is ready as long as it is kept (a running source may have finished and been kept)."""
         source: _Stream | Kept | None = self._kept.get(stream.copy_of) or self._active.get(stream.copy_of)
+        if source is not None and not self._holds(source, stream):
+            source = None
         if isinstance(source, _Stream) and source.position < stream.position:
             return False  # not there yet
         reach = self.rewind_slack - self._follows_mtp(stream.request)  # the MTP head's depths step back one more
@@ -834,6 +836,13 @@ class Scheduler:
             return True
         stream.reached = source.reached
         return True
+
+    @staticmethod
+    def _holds(source: _Stream | Kept, stream: _Stream) -> bool:
+        """Whether `source` holds the tokens `stream` is to start with: the name may have passed on (a kept
+        stream given up, and a new request under its name) while the copy waited."""
+        fed = source.tokens if isinstance(source, Kept) else source.request.prompt + tuple(source.generated)
+        return fed[: stream.position] == stream.request.prompt[: stream.position]
 
     def _propose(self, stream: _Stream) -> int:
         """MTP tokens to ask for after this stream's next token: as many as its next round could verify."""
