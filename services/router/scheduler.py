@@ -133,7 +133,7 @@ class Emitted:
     stream: RequestId
     token: int
     finished: Literal["stop", "length"] | None
-    cached: int = 0  # on a stream's first token: the prompt positions it took over from a kept stream
+    cached: int = 0  # on a stream's first token: the prompt positions it took over or copied
 
 
 RECENT_PROMPTS = 64  # admitted prompts a new one is compared with for a shared prefix
@@ -705,9 +705,10 @@ class Scheduler:
         return reusable(self._kept, request.prompt, self.rewind_slack, self._follows_mtp(request))
 
     def _copyable(self, request: Request) -> tuple[RequestId, int] | None:
-        """A running stream or a kept shared prefix this request may start as a copy of: not for a scored
-        prompt or a capture. A copy steps its source's state back at least one position (its last prompt
-        token is fed again), and the MTP head's depths one more, so without that rewind slack there is none."""
+        """A running stream, or a kept one (a shared prefix, a finished stream it parts from), this request
+        may start as a copy of, and how many positions: not for a scored prompt or a capture. A copy steps
+        its source's state back at least one position (its last prompt token is fed again), and the MTP
+        head's depths one more, so without that rewind slack there is none."""
         mtp = self._follows_mtp(request)
         if self.rewind_slack < 1 + mtp or not self.taking_over or request.score_prompt:
             return None
