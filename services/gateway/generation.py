@@ -43,7 +43,7 @@ class Generation:
     score_prompt: bool = False  # each prompt token's log-prob given the ones before it, from the first event
     arrived: float = field(default_factory=time.perf_counter)
     completion_tokens: int = 0
-    cached_tokens: int = 0  # the prompt's first tokens a finished stream's state held on the fleet
+    cached_tokens: int = 0  # the prompt's first tokens the fleet took over or copied from another stream
     text: str = ""
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
