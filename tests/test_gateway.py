@@ -494,6 +494,7 @@ def test_users_sharing_a_system_prompt_start_from_a_kept_copy_of_it_and_answer_a
     # the second leaves a copy where it parts from the first: the third starts from it (or, had the second's
     # answer ended within the rewind slack, from its finished stream)
     assert cached == [0, 0, shared]
+    assert _router_stats(live).shared_prefixes >= 1
 
 
 def test_a_template_that_writes_calls_its_own_way_gets_a_bare_list_of_calls_as_the_engine_does(

@@ -501,7 +501,7 @@ def test_prompts_that_part_after_a_shared_prefix_leave_a_kept_copy_that_later_pr
         (19, (119,), "b", True, False)
     ]
     name = prefix_rows[0].stream
-    assert s.kept(name) and s.kept_streams == 3
+    assert s.kept(name) and s.kept_streams == 3 and s.shared_prefixes == 1
     earlier = s.reused_positions
     s.submit(Request("c", (*system, 7, 8), SamplingParams(max_tokens=2)))
     (frame,) = s.next_frames()

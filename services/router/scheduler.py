@@ -444,7 +444,7 @@ class Scheduler:
         self.rewind_slack = 0  # as the stages report it
         # off while the stages capture: a capture holds each stream's rows from its first position on
         self.taking_over = True
-        self.reused_positions = 0  # prompt positions taken over from kept streams so far
+        self.reused_positions = 0  # prompt positions taken over or copied so far
 
     # -- inputs -----------------------------------------------------------------------------------
 
@@ -871,6 +871,11 @@ class Scheduler:
     @property
     def kept_streams(self) -> int:
         return len(self._kept)
+
+    @property
+    def shared_prefixes(self) -> int:
+        """Kept streams that are copies left where prompts part (counted in `kept_streams` too)."""
+        return sum(held.prefix for held in self._kept.values())
 
     @property
     def in_flight(self) -> int:

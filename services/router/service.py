@@ -93,6 +93,7 @@ class RouterServicer(rpc.RouterServicer):
             ],
             reused_positions=s.reused_positions,
             kept_streams=s.kept_streams,
+            shared_prefixes=s.shared_prefixes,
         )
 
 
