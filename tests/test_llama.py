@@ -221,6 +221,80 @@ def test_tiny_llama_copy_of_a_streams_first_positions_goes_on_as_the_stream(tiny
     engine.close("copy")
 
 
+@ATTENTIONS
+def test_tiny_llama_streams_are_copied_and_taken_over_further_back_than_the_rewind_slack(tiny_llama, tiny, attention):
+    """A Llama stage holds every row (no ring drops any), so a kept stream serves a later prompt from any
+    position: a copy and a take-over 50 positions back go on exactly as a fresh stream would."""
+    shape = load_shape(tiny_llama)
+    settings = EngineSettings(llama_attention=attention, rewind_slack=8)
+    engine = StageEngine(load_stage(tiny_llama, 0, shape.num_layers), settings)
+    assert not engine.rings and engine.reach == settings.context
+    ids = np.random.default_rng(7).integers(3, 300, size=60)
+    other = np.concatenate([ids[:10], np.random.default_rng(8).integers(3, 300, size=12)])
+    engine.open("fresh")
+    expected = engine.step([Segment("fresh", 0, len(other))], other).logits[10:]
+    engine.close("fresh")
+    engine.open("src")
+    engine.step([Segment("src", 0, len(ids))], ids)
+    engine.copy("src", "copy", 10)
+    engine.adopt("src", "taken", 10)
+    for stream in ("copy", "taken"):
+        logits = engine.step([Segment(stream, 10, 12)], other[10:]).logits
+        np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
+    engine.rewind("taken", 16)  # speculation's rewinds count from where it was stepped back to
+    with pytest.raises(ValueError, match="rewind slack"):
+        engine.rewind("taken", 12)
+    engine.close("copy")
+    engine.close("taken")
+    inkling = StageEngine(load_stage(tiny, 0, 2), settings)  # sliding layers and convs keep rings
+    assert inkling.rings and inkling.reach == 8
+
+
+def test_a_llama_fleet_copies_and_takes_over_finished_streams_however_far_they_went_on(tiny_llama, tmp_path):
+    """On Llama stages a finished stream serves later prompts from any position: another user's question
+    after the same system prompt copies it where they part, and its own next turn takes it over, though
+    each answer went on past the rewind slack; the ids are the single-process ones."""
+    import asyncio
+
+    from cascadia.router.local import LocalFleet
+    from cascadia.router.pipeline import PipelineDriver
+    from cascadia.router.scheduler import Request, SchedulerConfig
+
+    shape = load_shape(tiny_llama)
+    engine = StageEngine(load_stage(tiny_llama, 0, shape.num_layers), EngineSettings())
+    rng = np.random.default_rng(9)
+    system, first, second = (rng.integers(3, 300, size=n).tolist() for n in (40, 6, 7))
+    params = SamplingParams(max_tokens=48)  # past the rewind slack (32)
+    answer = generate(engine, system + first, params).token_ids
+    requests = [
+        Request("u1", tuple(system + first), params),
+        Request("u2", tuple(system + second), params),
+        Request("u1-next", tuple(system + first + answer[:-1] + [5, 6]), params),
+    ]
+    fleet = LocalFleet(tiny_llama, 2)
+    fleet.start(tmp_path)
+
+    async def go():
+        driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, SchedulerConfig(stages=2))
+        await driver.start()
+        try:
+            await driver.wait_ready(timeout=120)
+            done = [await driver.generate(r) for r in requests]
+            return done, driver.scheduler.rewind_slack
+        finally:
+            await driver.stop()
+
+    try:
+        done, reach = asyncio.run(go())
+    finally:
+        fleet.stop()
+    assert reach == EngineSettings().context  # every row is held: the whole context
+    assert [p.tokens for p in done] == [generate(engine, r.prompt, r.params).token_ids for r in requests]
+    assert done[0].tokens == answer
+    cached = [p.events.get_nowait()[0].cached for p in done]
+    assert cached == [0, 40, len(system + first + answer) - 1]
+
+
 # -- SmolLM2-135M (real weights) against OpenVINO GenAI -------------------------------------------
 
 

@@ -541,27 +541,49 @@ class StageEngine:
     def rewind(self, stream: Hashable, position: int) -> None:
         self._stream(stream).rewind(position)
 
+    @property
+    def rings(self) -> bool:
+        """Whether streams keep rows in rings (sliding windows, conv histories), which drop older rows."""
+        return any(rings.pools for rings in self._rings)
+
+    @property
+    def reach(self) -> int:
+        """Positions `adopt` and `copy` may step a stream back behind the furthest it was fed: the rewind
+        slack where rings drop older rows; where every row is held (Llama stages), its whole context."""
+        return self.settings.rewind_slack if self.rings else self.settings.context
+
+    def _step_back(self, state: StreamState, position: int, source: Hashable) -> None:
+        """A kept stream's state stepped back to `position` for the prompt that takes it over or copies it:
+        within the rewind slack where rings drop older rows, anywhere where every row is held (the rows
+        past `position` are then never read again, and speculation's rewinds count from there)."""
+        if self.rings:
+            state.rewind(position)
+        elif not 0 <= position <= state.position:
+            raise ValueError(f"cannot step stream {source!r} back to {position}: it is at {state.position}")
+        else:
+            state.position = state.reached = position
+
     def adopt(self, source: Hashable, stream: Hashable, position: int) -> None:
-        """`stream` takes over `source`'s state, stepped back to `position` (within the rewind slack):
-        a finished stream's positions serve a later prompt that starts with the same tokens. `source`
-        is gone afterwards; on an error nothing has changed."""
+        """`stream` takes over `source`'s state, stepped back to `position` (within `reach`): a finished
+        stream's positions serve a later prompt that starts with the same tokens. `source` is gone
+        afterwards; on an error nothing has changed."""
         if stream in self._streams:
             raise StreamError(f"stream {stream!r} is already open")
         state = self._stream(source)
-        state.rewind(position)
+        self._step_back(state, position, source)
         self._streams[stream] = self._streams.pop(source)
         self._far_stacks.clear()  # the lists of streams change, as on open and close
 
     def copy(self, source: Hashable, stream: Hashable, position: int) -> None:
-        """Open `stream` holding `source`'s first `position` positions (within the rewind slack of the
-        furthest `source` was fed): prompts that start alike are computed once. `source` goes on as it was."""
+        """Open `stream` holding `source`'s first `position` positions (within `reach` of the furthest
+        `source` was fed): prompts that start alike are computed once. `source` goes on as it was."""
         held = self._stream(source)
         if stream in self._streams:
             raise StreamError(f"stream {stream!r} is already open")
-        if not 0 <= position <= held.position or held.reached - position > held.slack:
+        if not 0 <= position <= held.position or held.reached - position > self.reach:
             raise ValueError(
                 f"cannot copy stream {source!r} at {position}: it is at {held.position}, fed to {held.reached}, "
-                f"with a rewind slack of {held.slack}"
+                f"and can be stepped back {self.reach} positions behind that"
             )
         self.open(stream, held.context or None)
         try:
@@ -586,8 +608,9 @@ class StageEngine:
                 for copied, original in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
                     if isinstance(copied, GrowingRows) and isinstance(original, GrowingRows):
                         copied.copy_from(original, position)
-        # the rows past `position` are the source's, as after a rewind: the same slack bounds a step back
-        state.position, state.reached = position, held.reached
+        # the rows past `position` are the source's, as after a rewind: the same slack bounds a step back;
+        # where every row is held, none past it is read again
+        state.position, state.reached = position, held.reached if self.rings else position
 
     def position(self, stream: Hashable) -> int:
         return self._stream(stream).position

@@ -310,7 +310,7 @@ class ShardServicer(rpc.ShardServicer):
             sampled_vocab=self.engine.shape.unpadded_vocab_size,
             context=self.engine.context_limit,
             grammars=self.vocabulary is not None,
-            rewind_slack=self.engine.settings.rewind_slack,
+            rewind_slack=self.engine.reach,
         )
 
     async def run(self) -> None:
