@@ -583,7 +583,7 @@ class StageEngine:
         if not 0 <= position <= held.position or held.reached - position > self.reach:
             raise ValueError(
                 f"cannot copy stream {source!r} at {position}: it is at {held.position}, fed to {held.reached}, "
-                f"and can be stepped back {self.reach} positions behind that"
+                f"with a rewind slack of {self.reach}"
             )
         self.open(stream, held.context or None)
         try:
