@@ -4,6 +4,8 @@ the single-process engine's scores of a prompt."""
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -61,3 +63,12 @@ def next_token_log_probs(engine, prompt: Sequence[int]) -> np.ndarray:
     finally:
         engine.close("next-token-log-probs")
     return log_softmax(logits[:-1])
+
+
+def with_tokenizer_config(model: Path, out: Path, **settings) -> Path:
+    """A copy of checkpoint `model` at `out` whose tokenizer_config.json says `settings` (a chat template...)."""
+    shutil.copytree(model, out)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config.update(settings)
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out

@@ -8,7 +8,6 @@ import concurrent.futures
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -35,7 +34,7 @@ from cascadia.model.config import load_shape
 from cascadia.router.local import free_port
 from cascadia.router.scheduler import common_prefix
 from cascadia.shard.service import pb, rpc
-from tests.helpers import next_token_log_probs, print_logs
+from tests.helpers import next_token_log_probs, print_logs, with_tokenizer_config
 from tests.test_grammar import SCHEMA, conforms
 
 pytestmark = pytest.mark.slow
@@ -501,14 +500,11 @@ def test_a_template_that_writes_calls_its_own_way_gets_a_bare_list_of_calls_as_t
     live, solo, gateway_process, tiny, tmp_path
 ):
     """The markup is not this model's: auto is refused, and a required call is held to a JSON list."""
-    own = tmp_path / "own-template"
-    shutil.copytree(tiny, own)
-    config = json.loads((own / "tokenizer_config.json").read_text())
-    config["chat_template"] = (
+    template = (
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
         "{% for t in tools or [] %}[{{ t['function']['name'] }}]{% endfor %}assistant:"
     )
-    (own / "tokenizer_config.json").write_text(json.dumps(config))
+    own = with_tokenizer_config(tiny, tmp_path / "own-template", chat_template=template)
     codec = TextCodec.from_directory(own)
     assert codec.takes_tools and not codec.knows_call_markup
     base, _ = gateway_process(model=own)

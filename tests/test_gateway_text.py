@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 
 from cascadia.gateway.auth import ConcurrencyLimiter, KeyRing, key_id, load_keys
 from cascadia.gateway.errors import ApiError
 from cascadia.gateway.text import PLAIN_CHAT_TEMPLATE, IncrementalDetokenizer, StopMatcher, TextCodec
+from tests.helpers import with_tokenizer_config
 
 
 @pytest.fixture(scope="module")
@@ -74,15 +72,11 @@ def test_the_plain_template_when_the_checkpoint_has_none(codec):
 
 
 def test_the_checkpoint_template_and_bos_come_from_tokenizer_config(tiny, tmp_path):
-    model = tmp_path / "with-template"
-    shutil.copytree(tiny, model)
-    config = json.loads((model / "tokenizer_config.json").read_text())
-    config["chat_template"] = (
+    template = (
         "{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}{% endfor %}"
         "{% if add_generation_prompt %}<assistant>{% endif %}"
     )
-    config["add_bos_token"] = True
-    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    model = with_tokenizer_config(tiny, tmp_path / "with-template", chat_template=template, add_bos_token=True)
     codec = TextCodec.from_directory(model)
     bos = codec.tokenizer.token_to_id("<|bos|>")
     eos = codec.tokenizer.token_to_id("<|eos|>")
@@ -93,11 +87,8 @@ def test_the_checkpoint_template_and_bos_come_from_tokenizer_config(tiny, tmp_pa
 
 
 def test_a_template_that_raises_is_reported(tiny, tmp_path):
-    model = tmp_path / "raising"
-    shutil.copytree(tiny, model)
-    config = json.loads((model / "tokenizer_config.json").read_text())
-    config["chat_template"] = "{{ raise_exception('roles must alternate') }}"
-    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    template = "{{ raise_exception('roles must alternate') }}"
+    model = with_tokenizer_config(tiny, tmp_path / "raising", chat_template=template)
     with pytest.raises(ValueError, match="roles must alternate"):
         TextCodec.from_directory(model).render_chat([{"role": "user", "content": "x"}])
 

@@ -333,7 +333,14 @@ def test_a_stage_checks_a_stream_that_takes_over_or_copies_anothers_state():
         return out
 
     assert check_frame(copy("old", 8), {"old": 9}, True, 64, 512) == {"old": 9, "c": 9}  # the source goes on
-    for bad, reason in [(copy("gone", 8), "cannot copy 'gone'"), (copy("old", 10), "cannot copy 'old' at 10")]:
+    both = copy("old", 8)
+    both.opens[0].resume_from = "old"
+    bad_copies = [
+        (copy("gone", 8), "copies unknown stream 'gone'"),
+        (copy("old", 10), "cannot copy 'old' at 10"),
+        (both, "both resumes and copies"),
+    ]
+    for bad, reason in bad_copies:
         with pytest.raises(FrameRejected, match=reason):
             check_frame(bad, {"old": 9}, True, 64, 512)
     # the MTP head follows a copy exactly when it follows the source

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -90,6 +91,24 @@ def chat_fleet_bench(
     (out / f"{name}.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot(summary, out / f"{name}.png")
     return summary
+
+
+@contextmanager
+def panels(path: Path, count: int, title: str) -> Iterator[Any]:
+    """A row of `count` plot panels to draw on, saved to `path` under `title` once drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, count, figsize=(5 * count + 1, 4))
+    try:
+        yield axes
+        fig.suptitle(title)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
 
 
 def plot_reuse(

@@ -161,28 +161,19 @@ def run_prefix_bench(config: PrefixBenchConfig, console: Console) -> dict[str, A
 
 
 def _plot(summary: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    from cascadia.bench.driving import panels, plot_reuse
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from cascadia.bench.driving import plot_reuse
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    slow, fast = ("ttft_s_computed", "every prompt computed"), ("ttft_s_shared", "copied or taken over")
-    plot_reuse(axes, summary["users"], "user", "user after one system prompt (one after the other)", slow, fast)
-    choices = summary["n_choices"]
-    spots = [0, 1]
-    width = 0.38
-    for offset, mode, colour in ((-width / 2, "computed", "tab:blue"), (width / 2, "copied", "tab:orange")):
-        times = [choices[f"last_first_token_s_{mode}"], choices[f"done_s_{mode}"]]
-        label = "every choice computes the prompt" if mode == "computed" else "later choices start as copies"
-        axes[2].bar([p + offset for p in spots], times, width, label=label, color=colour)
-    axes[2].set_xticks(spots, ["last choice's first token", "all choices done"])
-    axes[2].set_ylabel("seconds (median)")
-    axes[2].set_title(f"one question, {choices['choices']} choices at once", fontsize=10)
-    axes[2].legend(loc="upper left")
-    fig.suptitle(f"Prompts that start alike on {summary['model']} across {summary['shards']} shards")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    title = f"Prompts that start alike on {summary['model']} across {summary['shards']} shards"
+    with panels(path, 3, title) as axes:
+        slow, fast = ("ttft_s_computed", "every prompt computed"), ("ttft_s_shared", "copied or taken over")
+        plot_reuse(axes, summary["users"], "user", "user after one system prompt (one after the other)", slow, fast)
+        choices = summary["n_choices"]
+        spots, width = [0, 1], 0.38
+        for offset, mode, colour in ((-width / 2, "computed", "tab:blue"), (width / 2, "copied", "tab:orange")):
+            times = [choices[f"last_first_token_s_{mode}"], choices[f"done_s_{mode}"]]
+            label = "every choice computes the prompt" if mode == "computed" else "later choices start as copies"
+            axes[2].bar([p + offset for p in spots], times, width, label=label, color=colour)
+        axes[2].set_xticks(spots, ["last choice's first token", "all choices done"])
+        axes[2].set_ylabel("seconds (median)")
+        axes[2].set_title(f"one question, {choices['choices']} choices at once", fontsize=10)
+        axes[2].legend(loc="upper left")

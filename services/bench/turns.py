@@ -106,17 +106,9 @@ def run_turns_bench(config: TurnsBenchConfig, console: Console) -> dict[str, Any
 
 
 def _plot(summary: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    from cascadia.bench.driving import panels, plot_reuse
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from cascadia.bench.driving import plot_reuse
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    slow, fast = ("ttft_s_computed", "history computed again"), ("ttft_s_kept", "last turn's state taken over")
-    plot_reuse(axes, summary["turns"], "turn", "turn", slow, fast)
-    fig.suptitle(f"A conversation on {summary['model']} across {summary['shards']} shards")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    title = f"A conversation on {summary['model']} across {summary['shards']} shards"
+    with panels(path, 2, title) as axes:
+        slow, fast = ("ttft_s_computed", "history computed again"), ("ttft_s_kept", "last turn's state taken over")
+        plot_reuse(axes, summary["turns"], "turn", "turn", slow, fast)

@@ -95,27 +95,13 @@ def check_frame(
     for opened in frame.opens:
         if opened.stream in after:
             raise FrameRejected(f"stream '{opened.stream}' is already open")
+        if opened.resume_from and opened.copy_from:
+            raise FrameRejected(f"stream '{opened.stream}' both resumes and copies another stream")
         if opened.resume_from:
-            source = opened.resume_from
-            if source not in after:
-                raise FrameRejected(f"stream '{opened.stream}' resumes unknown stream '{source}'")
-            if not 0 <= opened.position <= after[source]:
-                raise FrameRejected(f"stream '{opened.stream}': cannot resume '{source}' at {opened.position}")
-            if opened.mtp != (source in mtp_streams):
-                raise FrameRejected(
-                    f"stream '{opened.stream}': a stream the MTP head follows resumes only such a stream, and "
-                    "only such a stream resumes one"
-                )
-            del after[source]
+            _check_source(opened, opened.resume_from, ("resume", "resumes"), after, mtp_streams)
+            del after[opened.resume_from]
         if opened.copy_from:
-            source = opened.copy_from
-            if opened.resume_from or source not in after or not 0 <= opened.position <= after[source]:
-                raise FrameRejected(f"stream '{opened.stream}': cannot copy '{source}' at {opened.position}")
-            if opened.mtp != (source in mtp_streams):
-                raise FrameRejected(
-                    f"stream '{opened.stream}': a stream the MTP head follows copies only such a stream, and only "
-                    "such a stream copies one"
-                )
+            _check_source(opened, opened.copy_from, ("copy", "copies"), after, mtp_streams)
         try:
             sampling_params(opened.sampling)
         except ValueError as exc:
@@ -172,6 +158,22 @@ def check_frame(
     for stream in frame.closes:  # closing is idempotent: a stage that failed a stream already forgot it
         after.pop(stream, None)
     return after
+
+
+def _check_source(
+    opened, source: str, verb: tuple[str, str], after: dict[str, int], mtp_streams: frozenset[str]
+) -> None:
+    """A stream that opens as `source`'s state (taken over or copied) at `opened.position`: `source` is open
+    and that far, and the MTP head follows both or neither."""
+    if source not in after:
+        raise FrameRejected(f"stream '{opened.stream}' {verb[1]} unknown stream '{source}'")
+    if not 0 <= opened.position <= after[source]:
+        raise FrameRejected(f"stream '{opened.stream}': cannot {verb[0]} '{source}' at {opened.position}")
+    if opened.mtp != (source in mtp_streams):
+        raise FrameRejected(
+            f"stream '{opened.stream}': a stream the MTP head follows {verb[1]} only such a stream, and only such "
+            f"a stream {verb[1]} one"
+        )
 
 
 class ShardServicer(rpc.ShardServicer):
