@@ -489,11 +489,16 @@ def test_users_sharing_a_system_prompt_start_from_a_kept_copy_of_it_and_answer_a
         assert reply.choices[0].message.content == expected_text(live.codec, solo(prompts[-1], 40))
         cached.append(reply.usage.prompt_tokens_details.cached_tokens)
     shared = common_prefix(prompts[0], prompts[1])
-    assert shared == common_prefix(prompts[1], prompts[2]) > 100  # the system prompt, where the questions part
-    # the second leaves a copy where it parts from the first: the third starts from it (or, had the second's
-    # answer ended within the rewind slack, from its finished stream)
-    assert cached == [0, 0, shared]
+    assert shared == common_prefix(prompts[1], prompts[2]) > 100  # where the questions part
+    # the first user's request says where its system message ends: it leaves a copy there, which every
+    # later user starts from (the first user's answer went past the rewind slack of where they part)
+    opening = live.codec.encode(live.codec.render_chat([system], add_generation_prompt=False), add_bos=False)
+    assert cached == [0, cached[1], cached[1]] and 100 < cached[1] <= shared
+    assert prompts[0][: cached[1]] == opening[: cached[1]] and shared - cached[1] < 8
     assert _router_stats(live).shared_prefixes >= 1
+    metrics = httpx.get(live.base + "/metrics").text
+    assert float(re.search(r"cascadia_router_shared_prefixes ([0-9.e+]+)", metrics).group(1)) >= 1
+    assert float(re.search(r"cascadia_router_kept_streams ([0-9.e+]+)", metrics).group(1)) >= 3
 
 
 def test_a_template_that_writes_calls_its_own_way_gets_a_bare_list_of_calls_as_the_engine_does(

@@ -283,6 +283,9 @@ def test_router_process_streams_tokens_cancels_and_reports_stats(fleet_of, solo,
                 await stub.Generate(
                     pb.GenerateRequest(request_id="outside", prompt_ids=[1, 10**6], max_tokens=4), timeout=10
                 ).read()
+            with pytest.raises(grpc.aio.AioRpcError) as past:
+                message = pb.GenerateRequest(request_id="past", prompt_ids=[1, 2], max_tokens=4, shared_prefix=3)
+                await stub.Generate(message, timeout=10).read()
             shard_stats = []
             for addr in fleet.stage_addrs:  # every stage freed the finished and the cancelled stream
                 async with grpc.aio.insecure_channel(addr) as shard_channel:
@@ -292,13 +295,14 @@ def test_router_process_streams_tokens_cancels_and_reports_stats(fleet_of, solo,
                             break
                         await asyncio.sleep(0.1)
                     shard_stats.append(one)
-            return tokens, stats, bad.value, outside.value, shard_stats
+            return tokens, stats, bad.value, outside.value, past.value, shard_stats
 
-    tokens, stats, bad, outside, shard_stats = asyncio.run(go())
+    tokens, stats, bad, outside, past, shard_stats = asyncio.run(go())
     assert tokens == solo(request)
     assert stats.active_streams == 0 and stats.frames_in_flight == 0
     assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt is empty" in bad.details()
     assert outside.code() == grpc.StatusCode.INVALID_ARGUMENT and "outside the vocabulary" in outside.details()
+    assert past.code() == grpc.StatusCode.INVALID_ARGUMENT and "shared_prefix 3 must be in [0, 2]" in past.details()
     held = [(s.open_streams, s.state_bytes, s.held_state_bytes) for s in shard_stats]
     assert held == [(0, 0, 0)] * len(fleet.stage_addrs)
 
@@ -415,16 +419,20 @@ def test_later_prompts_take_over_a_finished_streams_state_and_give_the_single_pr
         assert spec["rounds"] > 0
 
 
-def test_prompts_sharing_a_system_prompt_start_from_a_kept_copy_of_it_and_give_the_single_process_ids(fleet_of, solo):
+@pytest.mark.parametrize("announced", [False, True], ids=["found", "announced"])
+def test_prompts_sharing_a_system_prompt_start_from_a_kept_copy_of_it_and_give_the_single_process_ids(
+    fleet_of, solo, announced
+):
     """Two prompts that start alike and part (one system prompt, other questions) leave a copy of the
-    stream where they part; later prompts that start alike begin as copies of it on every stage, and the
-    ids are still exactly the single-process ones."""
+    stream where they part, or the first leaves it where it says its system prompt ends; later prompts
+    that start alike begin as copies of it on every stage, and the ids are still exactly the
+    single-process ones."""
     fleet = fleet_of(2)
     rng = np.random.default_rng(12)
     system = tuple(int(t) for t in rng.integers(3, 500, size=45))
     # questions longer than the rewind slack: no prompt takes another's finished stream over
     questions = [tuple(int(t) for t in rng.integers(3, 500, size=40)) for _ in range(4)]
-    requests = [Request("q0", system + questions[0], SamplingParams(max_tokens=8))]
+    requests = [Request("q0", system + questions[0], SamplingParams(max_tokens=8), shared_prefix=45 * announced)]
     requests.append(Request("q1", system + questions[1], SamplingParams(max_tokens=8)))
     requests.append(Request("q2", system + questions[2], SamplingParams(max_tokens=8, temperature=0.8, seed=4)))
     requests.append(Request("q3", system[:40] + questions[3], SamplingParams(max_tokens=8)))  # 5 short of it
@@ -443,8 +451,9 @@ def test_prompts_sharing_a_system_prompt_start_from_a_kept_copy_of_it_and_give_t
     done, open_streams, reused = asyncio.run(go())
     assert [p.tokens for p in done] == [solo(r) for r in requests]
     cached = [p.events.get_nowait()[0].cached for p in done]
-    assert cached == [0, 0, len(system), 40]  # q3 steps the copy back to where it parts from the system prompt
-    assert reused == len(system) + 40
+    # q3 steps the copy back to where it parts from the system prompt
+    assert cached == [0, len(system) if announced else 0, len(system), 40]
+    assert reused == sum(cached)
     assert open_streams == [5, 5]  # the four finished streams and the system prompt's copy
 
 

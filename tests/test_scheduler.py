@@ -479,7 +479,11 @@ def test_a_shared_prefix_is_worth_a_copy_only_past_what_is_served_and_copies_ste
 
 def _run_prompt(s: Scheduler, rid: str, prompt: tuple[int, ...], token: int = 1) -> list[Frame]:
     """Submit `prompt` for one token and run frames until it is out; returns the frames sent."""
-    s.submit(Request(rid, prompt, SamplingParams(max_tokens=1)))
+    return _run_request(s, Request(rid, prompt, SamplingParams(max_tokens=1)), token)
+
+
+def _run_request(s: Scheduler, request: Request, token: int = 1) -> list[Frame]:
+    s.submit(request)
     frames = []
     while s.active or s.queued:
         (frame,) = s.next_frames()
@@ -592,3 +596,42 @@ def test_a_copy_whose_source_name_passed_to_another_prompt_computes_its_prompt_i
     (frame,) = s.next_frames()
     rows = {r.stream: (r.copy_from, r.start) for r in frame.rows}
     assert rows == {"a": ("", 0), "b": ("", 0)}
+
+
+def test_a_prompt_that_announces_its_shared_prefix_leaves_a_copy_there_before_any_other_prompt_shares_it():
+    s = Scheduler(SchedulerConfig(stages=1, rows_per_group=16, prefill_window=8, min_shared_prefix=8))
+    s.set_chain_ready(True)
+    s.rewind_slack = 4
+    system = tuple(range(100, 120))
+    first = Request("a", (*system, *range(10)), SamplingParams(max_tokens=1), shared_prefix=len(system))
+    frames = _run_request(s, first)
+    assert [len(r.tokens) for r in frames[0].rows] == [8] and frames[2].rows[0].tokens == system[16:19]
+    (prefix,) = [r for f in frames for r in f.rows if r.prefix]
+    assert (prefix.start, prefix.tokens, prefix.copy_from) == (19, (119,), "a")
+    assert s.shared_prefixes == 1 and s.kept("a")  # "a" was fed too far past 20 to be stepped back to it
+    # the next user starts from it, and announcing the same prefix leaves no second copy
+    later = Request("b", (*system, 4, 5, 6), SamplingParams(max_tokens=1), shared_prefix=len(system))
+    frames = _run_request(s, later)
+    assert frames[0].rows[0].copy_from == prefix.stream and frames[0].rows[0].start == 20
+    assert not any(r.prefix for f in frames for r in f.rows) and s.shared_prefixes == 1
+
+
+def test_an_announced_prefix_is_left_only_where_worth_it_and_must_lie_within_the_prompt():
+    from cascadia.router.scheduler import Kept, announced_prefix
+
+    prompt = tuple(range(100, 130))
+    assert announced_prefix({}, prompt, 20, copied=0, shortest=8, slack=4) == 20
+    assert announced_prefix({}, prompt, 20, copied=0, shortest=0, slack=4) == 0  # copies switched off
+    assert announced_prefix({}, prompt, 7, copied=0, shortest=8, slack=4) == 0  # too short to be worth one
+    assert announced_prefix({}, prompt, 20, copied=15, shortest=8, slack=4) == 0  # the copy it starts as serves it
+    assert announced_prefix({}, prompt, 30, copied=0, shortest=8, slack=4) == 0  # the whole prompt
+    kept = {"p": Kept(prompt[:20], reached=20, prefix=True)}
+    assert announced_prefix(kept, prompt, 20, copied=0, shortest=8, slack=4) == 0  # kept already
+    assert announced_prefix(kept, prompt, 20, copied=0, shortest=8, slack=4, mtp=True) == 20  # not for the head
+    # a finished stream fed past the slack from there cannot be stepped back to it
+    far = {"a": Kept(prompt, reached=30, prompt=30)}
+    assert announced_prefix(far, prompt, 20, copied=0, shortest=8, slack=4) == 20
+    assert announced_prefix(far, prompt, 20, copied=0, shortest=8, slack=10) == 0
+    for bad in (-1, 31):
+        with pytest.raises(ValueError, match=f"shared_prefix {bad} must be in \\[0, 30\\]"):
+            Request("r", prompt, SamplingParams(max_tokens=1), shared_prefix=bad)

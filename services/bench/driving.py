@@ -50,12 +50,12 @@ class Answered:
     ttft_s: float  # from submission to the first token
 
 
-async def answer(driver: Any, request_id: str, prompt: Sequence[int], params: Any) -> Answered:
+async def answer(driver: Any, request_id: str, prompt: Sequence[int], params: Any, shared_prefix: int = 0) -> Answered:
     """One request through `driver`, timed from its submission to its first token."""
     from cascadia.router.scheduler import Request
 
     started = time.perf_counter()
-    pending = await driver.submit(Request(request_id, tuple(prompt), params))
+    pending = await driver.submit(Request(request_id, tuple(prompt), params, shared_prefix=shared_prefix))
     await pending.done.wait()
     driver.release(request_id)
     if pending.error:
@@ -112,13 +112,20 @@ def panels(path: Path, count: int, title: str) -> Iterator[Any]:
 
 
 def plot_reuse(
-    axes: Any, points: list[dict[str, Any]], key: str, xlabel: str, slow: tuple[str, str], fast: tuple[str, str]
+    axes: Any,
+    points: list[dict[str, Any]],
+    key: str,
+    xlabel: str,
+    slow: tuple[str, str],
+    fast: tuple[str, str],
+    others: Sequence[tuple[str, str]] = (),
 ) -> None:
-    """Two panels for `points` (by `key`): the median time to the first token of each mode (`slow` and
-    `fast`: its summary key and label) and, under each prompt's tokens, the tokens it started with."""
+    """Two panels for `points` (by `key`): the median time to the first token of each mode (`slow`, `fast`
+    and `others`: its summary key and label) and, under each prompt's tokens, the tokens it started with
+    in the `fast` mode."""
     x = [p[key] for p in points]
-    for (field, label), ax in ((slow, axes[0]), (fast, axes[0])):
-        ax.plot(x, [p[field] for p in points], marker="o", label=label)
+    for field, label in (slow, fast, *others):
+        axes[0].plot(x, [p[field] for p in points], marker="o", label=label)
     axes[0].set_xlabel(xlabel)
     axes[0].set_ylabel("time to first token (s, median)")
     axes[0].legend()

@@ -1,8 +1,10 @@
 """`cascadia bench prefix`: prompts that start alike, computed once and every time.
 
 One local fleet and one router driver. Each round sends the same users' questions after one system
-prompt, one after the other, twice: with the router keeping finished streams and copies of the
-prefixes prompts share (its defaults), and with nothing kept (`--keep-finished 0`). Then it asks one
+prompt, one after the other, three times: with the router keeping finished streams and copies of the
+prefixes prompts share (its defaults) and each request saying where its system message ends, as the
+gateway says it; the same with nothing said, so that the router finds the shared part only once two
+prompts part after it; and with nothing kept (`--keep-finished 0`). Then it asks one
 question for several sampled choices at once (a request's `n`), twice: with the later choices
 starting as copies of the first, and with every choice computing its prompt. Every round and mode
 opens its system prompt with a name of its own, so each starts with nothing the router has seen.
@@ -52,15 +54,19 @@ def system_prompt(name: str, repeats: int) -> str:
     return f"You are the {name} desk. Answer questions about this passage. " + OPENING * repeats
 
 
-async def _users(driver, codec, config: PrefixBenchConfig, system: str, tag: str) -> list[dict[str, Any]]:
+async def _users(
+    driver, codec, config: PrefixBenchConfig, system: str, tag: str, announce: bool = True
+) -> list[dict[str, Any]]:
     from cascadia.bench.driving import answer
 
     out = []
     params = SamplingParams(max_tokens=config.answer_tokens, stop_ids=codec.stop_token_ids)
     for user in range(config.users):
         question = QUESTIONS[user % len(QUESTIONS)]
-        prompt = codec.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": question}])
-        answered = await answer(driver, f"{tag}-{user}", prompt, params)
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        prompt = codec.encode_chat(messages)
+        shared = codec.instructions_length(messages, None, prompt) if announce else 0
+        answered = await answer(driver, f"{tag}-{user}", prompt, params, shared_prefix=shared)
         out.append({"prompt_tokens": len(prompt), "cached": answered.cached, "ttft_s": answered.ttft_s})
     return out
 
@@ -92,14 +98,15 @@ def _paired(shared: list[dict[str, Any]], computed: list[dict[str, Any]], key: s
 
 async def _run(config: PrefixBenchConfig, driver, codec, console: Console) -> dict[str, Any]:
     base = driver.scheduler.config
-    runs: dict[str, list[list[dict[str, Any]]]] = {"shared": [], "computed": []}
+    runs: dict[str, list[list[dict[str, Any]]]] = {"shared": [], "found": [], "computed": []}
     choices: dict[str, list[dict[str, Any]]] = {"copied": [], "computed": []}
     for repeat in range(config.repeats):
-        for mode, keep in (("shared", KEEP), ("computed", 0)):
+        for mode, keep in (("shared", KEEP), ("found", KEEP), ("computed", 0)):
             driver.scheduler.config = replace(base, keep_finished=keep)
             driver.scheduler.drop_all_kept()
             system = system_prompt(f"{mode} {repeat + 1}", config.system_repeats)
-            runs[mode].append(await _users(driver, codec, config, system, f"{mode}-{repeat}"))
+            said = mode == "shared"
+            runs[mode].append(await _users(driver, codec, config, system, f"{mode}-{repeat}", announce=said))
         ttft = {mode: [round(u["ttft_s"], 3) for u in r[-1]] for mode, r in runs.items()}
         console.print(f"round {repeat + 1}/{config.repeats}: time to first token by user (s) {ttft}")
         driver.scheduler.config = replace(base, keep_finished=0)
@@ -114,20 +121,23 @@ async def _run(config: PrefixBenchConfig, driver, codec, console: Console) -> di
     driver.scheduler.config = base
     users = []
     for user in range(config.users):
-        shared = [r[user] for r in runs["shared"]]
-        computed = [r[user] for r in runs["computed"]]
+        shared, found, computed = ([r[user] for r in runs[mode]] for mode in ("shared", "found", "computed"))
         users.append(
             {
                 "user": user + 1,
                 "prompt_tokens": shared[0]["prompt_tokens"],
                 "cached_tokens": statistics.median(u["cached"] for u in shared),
+                "cached_tokens_found": statistics.median(u["cached"] for u in found),
                 "ttft_s_shared": statistics.median(u["ttft_s"] for u in shared),
+                "ttft_s_found": statistics.median(u["ttft_s"] for u in found),
                 "ttft_s_computed": statistics.median(u["ttft_s"] for u in computed),
                 "paired_speedup": _paired(shared, computed),
+                "paired_speedup_found": _paired(found, computed),
             }
         )
-    # the first user finds nothing and the second leaves the copy: the ones after it start from it
-    later = {mode: [u for r in rounds for u in r[2:]] for mode, rounds in runs.items()}
+    # told where the system message ends, the first user leaves the copy the later ones start from; found
+    # only where two prompts part, the copy comes with the second user, and only the third starts from it
+    later = {mode: [u for r in rounds for u in r[1:]] for mode, rounds in runs.items()}
     copied, computed = choices["copied"], choices["computed"]
     n_choices = {
         "choices": config.choices,
@@ -144,6 +154,7 @@ async def _run(config: PrefixBenchConfig, driver, codec, console: Console) -> di
         "min_shared_prefix": base.min_shared_prefix,
         "users": users,
         "later_users_paired_speedup": _paired(later["shared"], later["computed"]),
+        "later_users_paired_speedup_found": _paired(later["found"], later["computed"]),
         "n_choices": n_choices,
     }
 
@@ -165,8 +176,10 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
 
     title = f"Prompts that start alike on {summary['model']} across {summary['shards']} shards"
     with panels(path, 3, title) as axes:
-        slow, fast = ("ttft_s_computed", "every prompt computed"), ("ttft_s_shared", "copied or taken over")
-        plot_reuse(axes, summary["users"], "user", "user after one system prompt (one after the other)", slow, fast)
+        slow, fast = ("ttft_s_computed", "every prompt computed"), ("ttft_s_shared", "system message's end told")
+        found = [("ttft_s_found", "only where prompts part")]
+        xlabel = "user after one system prompt (one after the other)"
+        plot_reuse(axes, summary["users"], "user", xlabel, slow, fast, found)
         choices = summary["n_choices"]
         spots, width = [0, 1], 0.38
         for offset, mode, colour in ((-width / 2, "computed", "tab:blue"), (width / 2, "copied", "tab:orange")):

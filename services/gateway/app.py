@@ -345,8 +345,10 @@ class Gateway:
         params: list[SamplingParams],
         body: SamplingFields,
         score_prompt: bool = False,
+        shared_prefix: int = 0,
     ) -> Choices:
-        """`body.n` generations for each prompt (with its own sampling), each its own request on the router."""
+        """`body.n` generations for each prompt (with its own sampling), each its own request on the router;
+        `shared_prefix`: the first tokens of every prompt that other requests are likely to start with."""
         n = body.n or 1
         if len(prompts) * n > MAX_CHOICES:
             raise bad_request(
@@ -372,6 +374,7 @@ class Gateway:
                         wants_logprobs=prompt_params.logprobs,
                         speculation=body.speculation is not False,
                         score_prompt=score_prompt,
+                        shared_prefix=shared_prefix,
                     )
                 )
         return Choices(response_id, prompts, generations)
@@ -640,6 +643,8 @@ def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, ke
             stats = await router.stats(timeout=1.0)
             metrics.queue_depth.set(stats.queued_requests)
             metrics.active_streams.set(stats.active_streams)
+            metrics.kept_streams.set(stats.kept_streams)
+            metrics.shared_prefixes.set(stats.shared_prefixes)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", response_model=ModelList, responses=error_responses(401))
@@ -728,7 +733,8 @@ def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, ke
         top = body.top_logprobs or 0 if body.logprobs else 0
         grammar = tools_answer.grammar if tools_answer else gateway.grammar(body)
         params = gateway.sampling(body, max_tokens, bool(body.logprobs), top, grammar)
-        choices = gateway.choices("chatcmpl", [ids], [params], body)
+        shared = codec.instructions_length(messages, tools, ids)
+        choices = gateway.choices("chatcmpl", [ids], [params], body, shared_prefix=shared)
         created = int(time.time())
         gateway.limiter.acquire(key)
         if body.stream:

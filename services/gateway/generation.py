@@ -41,6 +41,7 @@ class Generation:
     wants_logprobs: bool = False
     speculation: bool = True
     score_prompt: bool = False  # each prompt token's log-prob given the ones before it, from the first event
+    shared_prefix: int = 0  # the prompt's first tokens other requests are likely to start with (0: not known)
     arrived: float = field(default_factory=time.perf_counter)
     completion_tokens: int = 0
     cached_tokens: int = 0  # the prompt's first tokens the fleet took over or copied from another stream
@@ -65,7 +66,7 @@ class Generation:
         detokenizer = IncrementalDetokenizer(self.codec)
         matcher = StopMatcher(self.stops)
         self._call = self.router.generate(
-            self.request_id, self.prompt, self.params, self.speculation, self.score_prompt
+            self.request_id, self.prompt, self.params, self.speculation, self.score_prompt, self.shared_prefix
         )
         last = None
         try:

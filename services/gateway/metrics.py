@@ -43,3 +43,13 @@ class GatewayMetrics:
             "cascadia_router_queue_depth", "Requests waiting in the router for admission.", registry=r
         )
         self.active_streams = Gauge("cascadia_router_active_streams", "Streams admitted by the router.", registry=r)
+        self.kept_streams = Gauge(
+            "cascadia_router_kept_streams",
+            "Finished streams and shared prefixes whose state the stages keep for prompts that start alike.",
+            registry=r,
+        )
+        self.shared_prefixes = Gauge(
+            "cascadia_router_shared_prefixes",
+            "Kept copies of the prefixes prompts share (a system message), counted in the kept streams too.",
+            registry=r,
+        )

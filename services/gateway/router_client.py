@@ -69,6 +69,7 @@ class RouterClient:
         params: SamplingParams,
         speculation: bool = True,
         score_prompt: bool = False,
+        shared_prefix: int = 0,
     ) -> grpc.aio.UnaryStreamCall:
         sampling = sampling_message(params)
         message = pb.GenerateRequest(
@@ -79,6 +80,7 @@ class RouterClient:
             stop_ids=sorted(params.stop_ids),
             speculation_off=not speculation,
             score_prompt=score_prompt,
+            shared_prefix=shared_prefix,
         )
         return self.stub.Generate(message)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from cascadia.gateway.tools import CALL_OPEN, with_tools_in_text
+from cascadia.router.scheduler import common_prefix
 
 # Used when a model ships no template: role-tagged turns, then the assistant's cue (tools and calls reach
 # it as text, as for any template without a place for them)
@@ -21,6 +23,8 @@ PLAIN_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
+# the roles of the messages that open a conversation with its instructions, alike across conversations
+INSTRUCTION_ROLES = ("system", "developer")
 # what tells whether a template writes tools out
 _PROBE_TOOLS = [{"type": "function", "function": {"name": "probe_tool_8c1f", "parameters": {"type": "object"}}}]
 
@@ -141,14 +145,37 @@ class TextCodec:
         special = {t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special}
         return CALL_OPEN not in special and (not self.takes_tools or CALL_OPEN in self.chat_template)
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
         """The prompt text of `messages`; `tools` (OpenAI's tool definitions) go to templates that take them,
         and into the text for the others."""
         if not self.takes_tools and (tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)):
-            return self._render(with_tools_in_text(messages, tools), None)
-        return self._render(messages, tools)
+            return self._render(with_tools_in_text(messages, tools), None, add_generation_prompt)
+        return self._render(messages, tools, add_generation_prompt)
 
-    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+    def instructions_length(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, ids: Sequence[int]
+    ) -> int:
+        """How many of `ids` (the prompt of `messages`) hold the conversation's opening instructions: its
+        leading system and developer messages, and the tools, as other conversations with the same
+        instructions start. 0 without such messages, or where the template does not write them first."""
+        leading = list(itertools.takewhile(lambda m: m["role"] in INSTRUCTION_ROLES, messages))
+        if not leading:
+            return 0
+        try:
+            opening = self.encode(self.render_chat(leading, tools, add_generation_prompt=False), add_bos=False)
+        except TemplateFailed:  # some templates insist on a user's turn
+            return 0
+        # the opening's last tokens may merge with what follows them in the prompt: only the tokens both hold
+        return common_prefix(opening, ids)
+
+    def _render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool = True
+    ) -> str:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
         def raise_exception(message: str) -> None:
@@ -159,7 +186,7 @@ class TextCodec:
             template = env.from_string(self.chat_template)
             return template.render(
                 messages=messages,
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
                 **({"tools": tools} if tools else {}),
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",

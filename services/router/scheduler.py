@@ -94,10 +94,18 @@ class Request:
     params: SamplingParams
     speculate: bool = True  # drafts may be verified for this request (when the router speculates)
     score_prompt: bool = False  # the last stage scores each prompt token given the ones before it
+    # the prompt's first tokens that other prompts are likely to start with (a chat's system message): the
+    # request may leave a kept copy there before any other prompt has shared them (0: not known)
+    shared_prefix: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt:
             raise ValueError(f"request {self.id}: the prompt is empty")
+        if not 0 <= self.shared_prefix <= len(self.prompt):
+            raise ValueError(
+                f"request {self.id}: shared_prefix {self.shared_prefix} must be in [0, {len(self.prompt)}], "
+                "the prompt's length"
+            )
 
 
 @dataclass(frozen=True)
@@ -334,6 +342,25 @@ def shared_prefix(recent: Sequence[Sequence[int]], prompt: Sequence[int], copied
     parts = (common_prefix(other, prompt) for other in recent)
     shared = max((n for n, other in zip(parts, recent, strict=True) if n < min(len(other), len(prompt))), default=0)
     return shared if shared >= max(copied + shortest, 1) else 0
+
+
+def announced_prefix(
+    kept: dict[RequestId, Kept],
+    prompt: Sequence[int],
+    announced: int,
+    copied: int,
+    shortest: int,
+    slack: int,
+    mtp: bool = False,
+) -> int:
+    """Where to leave a kept copy of the prefix a request says other prompts will start with: at
+    `announced`, when that is at least `shortest` tokens past the `copied` positions the prompt starts
+    with and short of its last token (always fed), unless a kept stream (or a copy on its way) would
+    already serve a prompt starting with it (0: none)."""
+    if not shortest or announced < max(copied + shortest, 1) or announced >= len(prompt):
+        return 0
+    served = kept_source(kept, prompt[: announced + 1], slack, mtp, shortest=announced)
+    return 0 if served is not None else announced
 
 
 def smoothed_acceptance(previous: float, accepted: int) -> float:
@@ -685,7 +712,16 @@ class Scheduler:
             if self._shares_prefixes(request):
                 # a stream taken over is gone for the next prompt: only a copy's source stays
                 copied = stream.position if stream.copy_of else 0
-                stream.shares = shared_prefix(self._recent, request.prompt, copied, self.config.min_shared_prefix)
+                shortest, prompt = self.config.min_shared_prefix, request.prompt
+                stream.shares = shared_prefix(self._recent, prompt, copied, shortest) or announced_prefix(
+                    self._kept | self._sharing,
+                    prompt,
+                    request.shared_prefix,
+                    copied,
+                    shortest,
+                    self.rewind_slack,
+                    self._follows_mtp(request),
+                )
             self._recent.append(request.prompt)
 
     def _held_streams(self) -> int:

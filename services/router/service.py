@@ -34,6 +34,7 @@ class RouterServicer(rpc.RouterServicer):
                     params,
                     speculate=not request.speculation_off,
                     score_prompt=request.score_prompt,
+                    shared_prefix=request.shared_prefix,
                 )
             )
         except Overloaded as exc:
