@@ -123,3 +123,32 @@ def test_concurrency_limit_per_key():
     limiter.release("a")
     limiter.acquire("a")
     assert ConcurrencyLimiter(0).acquire("a") is None  # 0: no limit
+
+
+def test_the_instructions_length_covers_the_leading_system_messages_and_the_tools(codec):
+    system = [{"role": "system", "content": "be brief"}, {"role": "developer", "content": "no lists"}]
+    messages = [*system, {"role": "user", "content": "hi"}, {"role": "system", "content": "later"}]
+    ids = codec.encode_chat(messages)
+    n = codec.instructions_length(messages, None, ids)
+    assert codec.decode(ids[:n]) == "system: be brief\ndeveloper: no lists\n"
+    assert codec.instructions_length(messages[2:], None, codec.encode_chat(messages[2:])) == 0  # none lead
+    # a template without a place for tools gets them in the system message: they are instructions too
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    with_tools = codec.encode_chat(messages, tools)
+    assert codec.decode(with_tools[codec.instructions_length(messages, tools, with_tools) :]).startswith("user: hi")
+
+
+def test_a_template_that_writes_no_system_turn_first_has_no_instructions_length(tiny, tmp_path):
+    alternating = (
+        "{% if messages[-1]['role'] != 'user' %}{{ raise_exception('the last turn must be a user') }}{% endif %}"
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    )
+    model = with_tokenizer_config(tiny, tmp_path / "alternating", chat_template=alternating)
+    codec = TextCodec.from_directory(model)
+    messages = [{"role": "system", "content": "be brief " * 8}, {"role": "user", "content": "hi"}]
+    assert codec.instructions_length(messages, None, codec.encode_chat(messages)) == 0
+    # a template that folds the system message into the user's turn: only the tokens both renders start with
+    folding = "{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }}{% endif %}{% endfor %}"
+    model = with_tokenizer_config(tiny, tmp_path / "folding", chat_template=folding)
+    codec = TextCodec.from_directory(model)
+    assert codec.instructions_length(messages, None, codec.encode_chat(messages)) == 0
