@@ -125,30 +125,45 @@ def test_concurrency_limit_per_key():
     assert ConcurrencyLimiter(0).acquire("a") is None  # 0: no limit
 
 
-def test_the_instructions_length_covers_the_leading_system_messages_and_the_tools(codec):
+def test_the_instructions_length_covers_the_leading_system_messages_the_tools_and_the_next_turns_cue(codec):
     system = [{"role": "system", "content": "be brief"}, {"role": "developer", "content": "no lists"}]
     messages = [*system, {"role": "user", "content": "hi"}, {"role": "system", "content": "later"}]
     ids = codec.encode_chat(messages)
     n = codec.instructions_length(messages, None, ids)
-    assert codec.decode(ids[:n]) == "system: be brief\ndeveloper: no lists\n"
+    assert codec.decode(ids[:n]) == "system: be brief\ndeveloper: no lists\nuser: "
     assert codec.instructions_length(messages[2:], None, codec.encode_chat(messages[2:])) == 0  # none lead
+    alone = messages[:2]  # instructions and no turn after them
+    assert codec.decode(ids[: codec.instructions_length(alone, None, codec.encode_chat(alone))]).endswith("lists\n")
     # a template without a place for tools gets them in the system message: they are instructions too
     tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
     with_tools = codec.encode_chat(messages, tools)
-    assert codec.decode(with_tools[codec.instructions_length(messages, tools, with_tools) :]).startswith("user: hi")
+    assert codec.decode(with_tools[codec.instructions_length(messages, tools, with_tools) :]).startswith("hi\n")
+    assert codec.instructions_length(messages, tools, with_tools) > n + 20
 
 
-def test_a_template_that_writes_no_system_turn_first_has_no_instructions_length(tiny, tmp_path):
-    alternating = (
-        "{% if messages[-1]['role'] != 'user' %}{{ raise_exception('the last turn must be a user') }}{% endif %}"
-        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    )
-    model = with_tokenizer_config(tiny, tmp_path / "alternating", chat_template=alternating)
-    codec = TextCodec.from_directory(model)
+@pytest.mark.parametrize(
+    ("template", "opening"),
+    [
+        # insists on a user's last turn: the empty cue satisfies it
+        (
+            "{% if messages[-1]['role'] != 'user' %}{{ raise_exception('the last turn must be a user') }}{% endif %}"
+            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}",
+            "system: " + "be brief " * 8 + "\nuser: ",
+        ),
+        # insists on a user's turn with words in it: the system message alone
+        (
+            "{% if not messages[-1]['content'] %}{{ raise_exception('empty turn') }}{% endif %}"
+            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}",
+            "system: " + "be brief " * 8 + "\n",
+        ),
+        # folds the system message into the user's turn: only what both renders start with
+        ("{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }}{% endif %}{% endfor %}", ""),
+    ],
+    ids=["user-last", "no-empty-turn", "folding"],
+)
+def test_the_instructions_length_is_what_the_templates_opening_and_the_prompt_share(tiny, tmp_path, template, opening):
+    codec = TextCodec.from_directory(with_tokenizer_config(tiny, tmp_path / "template", chat_template=template))
     messages = [{"role": "system", "content": "be brief " * 8}, {"role": "user", "content": "hi"}]
-    assert codec.instructions_length(messages, None, codec.encode_chat(messages)) == 0
-    # a template that folds the system message into the user's turn: only the tokens both renders start with
-    folding = "{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }}{% endif %}{% endfor %}"
-    model = with_tokenizer_config(tiny, tmp_path / "folding", chat_template=folding)
-    codec = TextCodec.from_directory(model)
-    assert codec.instructions_length(messages, None, codec.encode_chat(messages)) == 0
+    ids = codec.encode_chat(messages)
+    shared = codec.decode(ids[: codec.instructions_length(messages, None, ids)])
+    assert shared == opening or (not opening and "[INST] ".startswith(shared))

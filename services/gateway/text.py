@@ -161,17 +161,22 @@ class TextCodec:
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, ids: Sequence[int]
     ) -> int:
         """How many of `ids` (the prompt of `messages`) hold the conversation's opening instructions: its
-        leading system and developer messages, and the tools, as other conversations with the same
-        instructions start. 0 without such messages, or where the template does not write them first."""
+        leading system and developer messages and the tools, and the next turn's cue (`user:`), as other
+        conversations with the same instructions start. 0 without such messages, or where the template
+        does not write them first."""
         leading = list(itertools.takewhile(lambda m: m["role"] in INSTRUCTION_ROLES, messages))
         if not leading:
             return 0
-        try:
-            opening = self.encode(self.render_chat(leading, tools, add_generation_prompt=False), add_bos=False)
-        except TemplateFailed:  # some templates insist on a user's turn
-            return 0
-        # the opening's last tokens may merge with what follows them in the prompt: only the tokens both hold
-        return common_prefix(opening, ids)
+        # the next turn's cue is rendered as an empty turn of its role; some templates insist on a user's turn
+        cue = [{"role": m["role"], "content": ""} for m in messages[len(leading) : len(leading) + 1]]
+        for opening_messages in ([*leading, *cue], leading):
+            try:
+                opening = self.render_chat(opening_messages, tools, add_generation_prompt=False)
+            except TemplateFailed:
+                continue
+            # the opening's last tokens may merge with what follows them: only the tokens both hold count
+            return common_prefix(self.encode(opening, add_bos=False), ids)
+        return 0
 
     def _render(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool = True
