@@ -253,7 +253,8 @@ def test_tiny_llama_streams_are_copied_and_taken_over_further_back_than_the_rewi
 def test_a_llama_fleet_copies_and_takes_over_finished_streams_however_far_they_went_on(tiny_llama, tmp_path):
     """On Llama stages a finished stream serves later prompts from any position: another user's question
     after the same system prompt copies it where they part, and its own next turn takes it over, though
-    each answer went on past the rewind slack; the ids are the single-process ones."""
+    each answer went on past the rewind slack; the ids are the single-process ones. Told where the system
+    prompt ends, the first user leaves no copy there: its finished stream serves that."""
     import asyncio
 
     from cascadia.router.local import LocalFleet
@@ -267,8 +268,8 @@ def test_a_llama_fleet_copies_and_takes_over_finished_streams_however_far_they_w
     params = SamplingParams(max_tokens=48)  # past the rewind slack (32)
     answer = generate(engine, system + first, params).token_ids
     requests = [
-        Request("u1", tuple(system + first), params),
-        Request("u2", tuple(system + second), params),
+        Request("u1", tuple(system + first), params, shared_prefix=len(system)),
+        Request("u2", tuple(system + second), params, shared_prefix=len(system)),
         Request("u1-next", tuple(system + first + answer[:-1] + [5, 6]), params),
     ]
     fleet = LocalFleet(tiny_llama, 2)
@@ -280,12 +281,12 @@ def test_a_llama_fleet_copies_and_takes_over_finished_streams_however_far_they_w
         try:
             await driver.wait_ready(timeout=120)
             done = [await driver.generate(r) for r in requests]
-            return done, driver.scheduler.rewind_slack
+            return done, driver.scheduler.rewind_slack, driver.scheduler.shared_prefixes
         finally:
             await driver.stop()
 
     try:
-        done, reach = asyncio.run(go())
+        done, reach, shared_prefixes = asyncio.run(go())
     finally:
         fleet.stop()
     assert reach == EngineSettings().context  # every row is held: the whole context
@@ -293,6 +294,7 @@ def test_a_llama_fleet_copies_and_takes_over_finished_streams_however_far_they_w
     assert done[0].tokens == answer
     cached = [p.events.get_nowait()[0].cached for p in done]
     assert cached == [0, 40, len(system + first + answer) - 1]
+    assert shared_prefixes == 0
 
 
 # -- SmolLM2-135M (real weights) against OpenVINO GenAI -------------------------------------------

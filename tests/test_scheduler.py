@@ -620,18 +620,34 @@ def test_an_announced_prefix_is_left_only_where_worth_it_and_must_lie_within_the
     from cascadia.router.scheduler import Kept, announced_prefix
 
     prompt = tuple(range(100, 130))
-    assert announced_prefix({}, prompt, 20, copied=0, shortest=8, slack=4) == 20
-    assert announced_prefix({}, prompt, 20, copied=0, shortest=0, slack=4) == 0  # copies switched off
-    assert announced_prefix({}, prompt, 7, copied=0, shortest=8, slack=4) == 0  # too short to be worth one
-    assert announced_prefix({}, prompt, 20, copied=15, shortest=8, slack=4) == 0  # the copy it starts as serves it
-    assert announced_prefix({}, prompt, 30, copied=0, shortest=8, slack=4) == 0  # the whole prompt
+
+    def told(n: int, max_tokens: int = 1) -> Request:
+        return Request("r", prompt, SamplingParams(max_tokens=max_tokens), shared_prefix=n)
+
+    assert announced_prefix({}, told(20), copied=0, shortest=8, slack=4) == 20
+    assert announced_prefix({}, told(20), copied=0, shortest=0, slack=4) == 0  # copies switched off
+    assert announced_prefix({}, told(7), copied=0, shortest=8, slack=4) == 0  # too short to be worth one
+    assert announced_prefix({}, told(20), copied=15, shortest=8, slack=4) == 0  # the copy it starts as serves it
+    assert announced_prefix({}, told(30), copied=0, shortest=8, slack=4) == 0  # the whole prompt
     kept = {"p": Kept(prompt[:20], reached=20, prefix=True)}
-    assert announced_prefix(kept, prompt, 20, copied=0, shortest=8, slack=4) == 0  # kept already
-    assert announced_prefix(kept, prompt, 20, copied=0, shortest=8, slack=4, mtp=True) == 20  # not for the head
+    assert announced_prefix(kept, told(20), copied=0, shortest=8, slack=4) == 0  # kept already
+    assert announced_prefix(kept, told(20), copied=0, shortest=8, slack=4, mtp=True) == 20  # not for the head
     # a finished stream fed past the slack from there cannot be stepped back to it
     far = {"a": Kept(prompt, reached=30, prompt=30)}
-    assert announced_prefix(far, prompt, 20, copied=0, shortest=8, slack=4) == 20
-    assert announced_prefix(far, prompt, 20, copied=0, shortest=8, slack=10) == 0
+    assert announced_prefix(far, told(20), copied=0, shortest=8, slack=4) == 20
+    assert announced_prefix(far, told(20), copied=0, shortest=8, slack=10) == 0
     for bad in (-1, 31):
         with pytest.raises(ValueError, match=f"shared_prefix {bad} must be in \\[0, 30\\]"):
-            Request("r", prompt, SamplingParams(max_tokens=1), shared_prefix=bad)
+            told(bad)
+
+
+def test_stages_that_hold_every_row_keep_no_copies_since_each_stream_serves_its_own_start():
+    s = Scheduler(SchedulerConfig(stages=1, rows_per_group=16, prefill_window=8, min_shared_prefix=8))
+    s.set_chain_ready(True)
+    s.rewind_slack = s.context = 64  # a Llama stage's reach: the whole context
+    system = tuple(range(100, 120))
+    sent = _run_request(s, Request("a", (*system, *range(10)), SamplingParams(max_tokens=1), shared_prefix=20))
+    sent += _run_prompt(s, "b", (*system, 4, 5, 6))  # parts from "a" after 20 tokens, and copies it
+    sent += _run_prompt(s, "c", (*system, 7, 8))
+    assert not any(r.prefix for f in sent for r in f.rows) and s.shared_prefixes == 0
+    assert s.reused_positions == 40 and s.kept_streams == 3

@@ -154,7 +154,7 @@ class PipelineDriver:
             self.limits = fleet_limits(await self.stage_stats(timeout))
         if self.limits is None:
             return
-        self.scheduler.rewind_slack = self.limits.rewind_slack
+        self.scheduler.rewind_slack, self.scheduler.context = self.limits.rewind_slack, self.limits.context
         self.scheduler.drop_all_kept()  # a stage that came back has lost them
         self._closes.extend(self.scheduler.take_dropped())
         for request in self.scheduler.waiting():

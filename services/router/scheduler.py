@@ -345,18 +345,13 @@ def shared_prefix(recent: Sequence[Sequence[int]], prompt: Sequence[int], copied
 
 
 def announced_prefix(
-    kept: dict[RequestId, Kept],
-    prompt: Sequence[int],
-    announced: int,
-    copied: int,
-    shortest: int,
-    slack: int,
-    mtp: bool = False,
+    kept: dict[RequestId, Kept], request: Request, copied: int, shortest: int, slack: int, mtp: bool = False
 ) -> int:
-    """Where to leave a kept copy of the prefix a request says other prompts will start with: at
-    `announced`, when that is at least `shortest` tokens past the `copied` positions the prompt starts
-    with and short of its last token (always fed), unless a kept stream (or a copy on its way) would
-    already serve a prompt starting with it (0: none)."""
+    """Where to leave a kept copy of the prefix `request` says other prompts will start with
+    (`shared_prefix`): there, when that is at least `shortest` tokens past the `copied` positions the
+    prompt starts with and short of its last token (always fed), unless a kept stream (or a copy on its
+    way) would already serve a prompt starting with it (0: none)."""
+    prompt, announced = request.prompt, request.shared_prefix
     if not shortest or announced < max(copied + shortest, 1) or announced >= len(prompt):
         return 0
     served = kept_source(kept, prompt[: announced + 1], slack, mtp, shortest=announced)
@@ -469,6 +464,7 @@ class Scheduler:
         self._recent: deque[tuple[int, ...]] = deque(maxlen=RECENT_PROMPTS)
         self._prefixes = 0  # shared prefixes named so far
         self.rewind_slack = 0  # as the stages report it
+        self.context = 0  # positions of a stream every stage holds, as the stages report it (0: not known)
         # off while the stages capture: a capture holds each stream's rows from its first position on
         self.taking_over = True
         self.reused_positions = 0  # prompt positions taken over or copied so far
@@ -712,17 +708,19 @@ class Scheduler:
             if self._shares_prefixes(request):
                 # a stream taken over is gone for the next prompt: only a copy's source stays
                 copied = stream.position if stream.copy_of else 0
-                shortest, prompt = self.config.min_shared_prefix, request.prompt
-                stream.shares = shared_prefix(self._recent, prompt, copied, shortest) or announced_prefix(
-                    self._kept | self._sharing,
-                    prompt,
-                    request.shared_prefix,
-                    copied,
-                    shortest,
-                    self.rewind_slack,
-                    self._follows_mtp(request),
+                shortest, slack, mtp = self.config.min_shared_prefix, self.rewind_slack, self._follows_mtp(request)
+                shares = shared_prefix(self._recent, request.prompt, copied, shortest) or announced_prefix(
+                    self._kept | self._sharing, request, copied, shortest, slack, mtp
                 )
+                stream.shares = 0 if self.holds_every_row else shares
             self._recent.append(request.prompt)
+
+    @property
+    def holds_every_row(self) -> bool:
+        """Whether the stages can step a stream back to any position (a Llama stage holds every row): then
+        a stream serves prompts that start as it did itself, running, finished and kept, or taken over by
+        its next turn, and a kept copy of its first positions would only take a place."""
+        return 0 < self.context <= self.rewind_slack
 
     def _held_streams(self) -> int:
         """Streams whose state the stages hold or are about to: running, kept, shared prefixes on their way."""
