@@ -4,9 +4,10 @@ One local fleet and one router driver. Each round sends the same users' question
 prompt, one after the other, three times: with the router keeping finished streams and copies of the
 prefixes prompts share (its defaults) and each request saying where its system message ends, as the
 gateway says it; the same with nothing said, so that the router finds the shared part only once two
-prompts part after it; and with nothing kept (`--keep-finished 0`). Then it asks one
-question for several sampled choices at once (a request's `n`), twice: with the later choices
-starting as copies of the first, and with every choice computing its prompt. Every round and mode
+prompts part after it; and with nothing kept (`--keep-finished 0`), each round starting with the next
+of the three. Then it asks one question for several sampled choices at once (a request's `n`), twice:
+with the later choices starting as copies of the first, and with every choice computing its prompt.
+Every round and mode
 opens its system prompt with a name of its own, so each starts with nothing the router has seen.
 Times are compared within the round, so a slow spell of the machine hits both modes of the pair.
 """
@@ -100,8 +101,12 @@ async def _run(config: PrefixBenchConfig, driver, codec, console: Console) -> di
     base = driver.scheduler.config
     runs: dict[str, list[list[dict[str, Any]]]] = {"shared": [], "found": [], "computed": []}
     choices: dict[str, list[dict[str, Any]]] = {"copied": [], "computed": []}
+    modes = [("shared", KEEP), ("found", KEEP), ("computed", 0)]
     for repeat in range(config.repeats):
-        for mode, keep in (("shared", KEEP), ("found", KEEP), ("computed", 0)):
+        # each round starts with the next mode: the first after the choices pays for the stages' pools
+        # growing again, which would otherwise always fall on one mode
+        turn = repeat % len(modes)
+        for mode, keep in modes[turn:] + modes[:turn]:
             driver.scheduler.config = replace(base, keep_finished=keep)
             driver.scheduler.drop_all_kept()
             system = system_prompt(f"{mode} {repeat + 1}", config.system_repeats)
