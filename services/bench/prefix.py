@@ -7,9 +7,9 @@ gateway says it; the same with nothing said, so that the router finds the shared
 prompts part after it; and with nothing kept (`--keep-finished 0`), each round starting with the next
 of the three. Then it asks one question for several sampled choices at once (a request's `n`), twice:
 with the later choices starting as copies of the first, and with every choice computing its prompt.
-Every round and mode
-opens its system prompt with a name of its own, so each starts with nothing the router has seen.
-Times are compared within the round, so a slow spell of the machine hits both modes of the pair.
+Every round and mode opens its system prompt with a name of its own, so each starts with nothing the
+router has seen. Times are compared within the round, so a slow spell of the machine hits both modes
+of the pair.
 """
 
 from __future__ import annotations
