@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import Template, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -31,6 +31,18 @@ _PROBE_TOOLS = [{"type": "function", "function": {"name": "probe_tool_8c1f", "pa
 
 class TemplateFailed(ValueError):
     pass
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateFailed(message)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(chat_template: str) -> Template:
+    """A chat template compiled once: every request renders it, some twice (its instructions alone)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_exception
+    return env.from_string(chat_template)
 
 
 def _token_text(value: Any) -> str | None:
@@ -181,15 +193,8 @@ class TextCodec:
     def _render(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool = True
     ) -> str:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-        def raise_exception(message: str) -> None:
-            raise TemplateFailed(message)
-
-        env.globals["raise_exception"] = raise_exception
         try:
-            template = env.from_string(self.chat_template)
-            return template.render(
+            return _compiled(self.chat_template).render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 **({"tools": tools} if tools else {}),
