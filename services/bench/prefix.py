@@ -66,8 +66,8 @@ async def _users(
         question = QUESTIONS[user % len(QUESTIONS)]
         messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
         prompt = codec.encode_chat(messages)
-        shared = codec.instructions_length(messages, None, prompt) if announce else 0
-        answered = await answer(driver, f"{tag}-{user}", prompt, params, shared_prefix=shared)
+        shared = codec.instructions_length(messages, None, prompt)  # in every mode: the same work between users
+        answered = await answer(driver, f"{tag}-{user}", prompt, params, shared_prefix=shared if announce else 0)
         out.append({"prompt_tokens": len(prompt), "cached": answered.cached, "ttft_s": answered.ttft_s})
     return out
 
