@@ -346,7 +346,8 @@ def test_the_last_stage_refuses_mtp_requests_it_cannot_serve():
 @pytest.mark.parametrize("shards", [1, 3])
 def test_mtp_drafts_across_shard_processes_keep_greedy_ids(mtp_model: Path, tiny: Path, shards: int, tmp_path):
     """The last shard serves the MTP head; the router verifies its drafts: ids equal the engine's alone,
-    MTP rounds happen (per-source stats), and every stage frees the streams."""
+    MTP rounds happen (per-source stats), and every stage frees the streams. Next turns, twins and users
+    after a system prompt the first one tells of start from other streams' states, depths included."""
     import asyncio
 
     import grpc
@@ -359,6 +360,8 @@ def test_mtp_drafts_across_shard_processes_keep_greedy_ids(mtp_model: Path, tiny
     engine = StageEngine(load_stage(tiny, 0, 5), EngineSettings())
     prompts = {f"r{i}": prompt(20 + i, 6 + 3 * i) for i in range(3)}
     twin = prompt(30, 14)
+    system = prompt(40, 40)
+    users = {f"user{i}": [*system, *prompt(50 + i, 21)[1:]] for i in range(2)}  # past the slack from 40
     expected = {rid: generate(engine, ids, SamplingParams(max_tokens=16)).token_ids for rid, ids in prompts.items()}
     fleet = LocalFleet(mtp_model, shards, mtp_depths=DEPTHS)
     fleet.start(tmp_path)
@@ -380,17 +383,22 @@ def test_mtp_drafts_across_shard_processes_keep_greedy_ids(mtp_model: Path, tiny
             events = [e async for e in stub.Generate(message, timeout=120)]
             # one prompt twice at once: the second starts as a copy of the first, the depths with it
             twins = dict(await asyncio.gather(*(one(rid, twin) for rid in ("twin0", "twin1"))))
+            # the first user says where the system prompt ends and leaves a copy there; the second starts from it
+            told = {}
+            for rid, ids in users.items():
+                message = pb.GenerateRequest(request_id=rid, prompt_ids=ids, max_tokens=16, shared_prefix=len(system))
+                told[rid] = [e async for e in stub.Generate(message, timeout=120)]
             stats = await stub.Stats(pb.StatsRequest(), timeout=5)
             await asyncio.sleep(0.5)  # the close frame travels the chain
             last = rpc.ShardStub(grpc.aio.insecure_channel(fleet.stage_addrs[-1]))
             shard_stats = await last.Stats(pb.StatsRequest(), timeout=5)
-            return got, events, twins, stats, shard_stats
+            return got, events, twins, told, stats, shard_stats
 
     def follow_up(answer: list[int]) -> list[int]:
         return [*prompts["r0"], *answer[:-1], 7, 8]
 
     try:
-        got, events, twins, stats, shard_stats = asyncio.run(go())
+        got, events, twins, told, stats, shard_stats = asyncio.run(go())
     finally:
         fleet.stop()
     assert got == expected
@@ -400,9 +408,13 @@ def test_mtp_drafts_across_shard_processes_keep_greedy_ids(mtp_model: Path, tiny
     by_source = {s.source: s for s in stats.sources}
     assert "mtp" in by_source and by_source["mtp"].drafted_tokens > 0, stats
     assert twins == dict.fromkeys(twins, generate(engine, twin, SamplingParams(max_tokens=16)).token_ids)
-    # the twin's copy: all of the prompt but its last token
-    assert stats.reused_positions == events[0].cached_tokens + len(twin) - 1
-    assert shard_stats.open_streams == stats.kept_streams == 5  # r1, r2, "next" and the twins are kept
+    for rid, ids in users.items():
+        assert [e.token for e in told[rid]] == generate(engine, ids, SamplingParams(max_tokens=16)).token_ids
+    assert [told[rid][0].cached_tokens for rid in users] == [0, len(system)]
+    # the twin's copy: all of the prompt but its last token; the second user's: the system prompt
+    assert stats.reused_positions == events[0].cached_tokens + len(twin) - 1 + len(system)
+    # r1, r2, "next", the twins, the users and the system prompt's copy are kept
+    assert shard_stats.open_streams == stats.kept_streams == 8 and stats.shared_prefixes == 1
 
 
 # -- capture on an MTP fleet and offline draft evaluation -------------------------------------------
