@@ -708,11 +708,11 @@ class Scheduler:
             if self._shares_prefixes(request):
                 # a stream taken over is gone for the next prompt: only a copy's source stays
                 copied = stream.position if stream.copy_of else 0
-                shortest, slack, mtp = self.config.min_shared_prefix, self.rewind_slack, self._follows_mtp(request)
-                shares = shared_prefix(self._recent, request.prompt, copied, shortest) or announced_prefix(
-                    self._kept | self._sharing, request, copied, shortest, slack, mtp
-                )
-                stream.shares = 0 if self.holds_every_row else shares
+                shortest = self.config.min_shared_prefix
+                stream.shares = shared_prefix(self._recent, request.prompt, copied, shortest)
+                if not stream.shares and request.shared_prefix:
+                    held, mtp = self._kept | self._sharing, self._follows_mtp(request)
+                    stream.shares = announced_prefix(held, request, copied, shortest, self.rewind_slack, mtp)
             self._recent.append(request.prompt)
 
     @property
@@ -727,9 +727,10 @@ class Scheduler:
         return len(self._active) + len(self._kept) + len(self._sharing)
 
     def _shares_prefixes(self, request: Request) -> bool:
-        """Whether this request may leave a copy of a prefix it shares with a recent prompt: the stages keep
-        streams and can step a copy back (it starts one position short), and no capture is running."""
-        keeps = self.config.keep_finished > 0 and self.rewind_slack >= 1
+        """Whether this request may leave a copy of a prefix it shares with a recent prompt or says others
+        will share: the stages keep streams and can step a copy back (it starts one position short), yet
+        do not hold every row (then every stream serves such prompts itself), and no capture is running."""
+        keeps = self.config.keep_finished > 0 and self.rewind_slack >= 1 and not self.holds_every_row
         return keeps and self.taking_over and not request.score_prompt
 
     def _reusable(self, request: Request) -> tuple[RequestId, int] | None:
