@@ -707,7 +707,7 @@ def test_streamed_choices_carry_their_index_and_match_the_whole_response(live):
         ({"model": MODEL, "prompt": "hi", "n": 17}, 400, "n"),
         ({"model": MODEL, "prompt": ["a", "b", "c"], "n": 6}, 400, "n"),  # 18 choices
         ({"model": MODEL, "prompt": [[1, 2], [3, 600]]}, 400, "prompt"),
-        ({"model": MODEL, "prompt": [[5], [5] * 1000], "max_tokens": 100}, 413, "max_tokens"),
+        ({"model": MODEL, "prompt": [[5], [5] * 1000], "max_tokens": 100}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
         ({"model": MODEL, "prompt": "hi", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
         ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
@@ -751,7 +751,7 @@ def test_streamed_choices_carry_their_index_and_match_the_whole_response(live):
         ({"model": MODEL, "prompt": ""}, 400, None),
         ({"model": "gpt-4", "prompt": "hi"}, 404, "model"),
         ({"model": MODEL, "prompt": [5] * 1100}, 400, "prompt"),
-        ({"model": MODEL, "prompt": [5] * 1000, "max_tokens": 100}, 413, "max_tokens"),
+        ({"model": MODEL, "prompt": [5] * 1000, "max_tokens": 100}, 400, "max_tokens"),
     ],
 )
 def test_bad_completion_requests_get_4xx_naming_the_problem(live, body, status, param):

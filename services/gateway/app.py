@@ -37,6 +37,7 @@ from cascadia.gateway.auth import ConcurrencyLimiter, KeyRing
 from cascadia.gateway.choices import Choices, choice_params
 from cascadia.gateway.errors import ApiError, bad_request, error_body
 from cascadia.gateway.generation import Delta, Generation, TokenLogprob
+from cascadia.gateway.logprobs import chat_logprobs, completion_logprobs
 from cascadia.gateway.metrics import GatewayMetrics
 from cascadia.gateway.router_client import RouterClient
 from cascadia.gateway.schemas import (
@@ -46,29 +47,26 @@ from cascadia.gateway.schemas import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatMessage,
-    ChoiceLogprobs,
     CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     ModelCard,
     ModelList,
     SamplingFields,
     StreamOptions,
-    TopLogprob,
     error_responses,
 )
-from cascadia.gateway.schemas import TokenLogprob as TokenLogprobBody
 from cascadia.gateway.text import TemplateFailed, TextCodec
 from cascadia.gateway.tools import (
     CALL_CLOSE,
     CALL_OPEN,
-    CallReader,
-    ListReader,
+    AnswerReader,
+    ToolAnswer,
+    answer_message,
     markup_grammar,
-    read_calls,
     tool_calls_schema,
 )
+from cascadia.gateway.watch import run_watched, wait_for_disconnect
 
 log = logging.getLogger("cascadia.gateway")
 
@@ -171,15 +169,11 @@ def _param_name(location: tuple) -> str | None:
 
 
 @dataclass(frozen=True)
-class ToolAnswer:
-    """How an answer that calls tools is held and read: `markup`, calls in `<tool_call>` blocks (text may
-    come first under tool_choice auto); otherwise a bare JSON list of calls."""
+class PreparedChat:
+    """A chat request checked and turned into its generations, not yet started."""
 
-    grammar: str
-    markup: bool
-
-    def reader(self) -> CallReader | ListReader:
-        return CallReader() if self.markup else ListReader()
+    choices: Choices
+    tools: ToolAnswer | None
 
 
 @dataclass
@@ -202,7 +196,7 @@ class Gateway:
             )
 
     def check_prompt(self, ids: list[int], max_tokens: int | None, param: str) -> int:
-        """The number of tokens to generate, after the prompt and context limits (400 / 413)."""
+        """The number of tokens to generate, after the prompt and context limits (400)."""
         cfg = self.config
         bad = [t for t in ids if t >= cfg.vocab_size]
         if bad:
@@ -217,7 +211,7 @@ class Gateway:
         wanted = room if max_tokens is None else max_tokens
         if wanted > room or room < 1:
             raise ApiError(
-                413,
+                400,
                 f"This model's context (max_context) is {cfg.max_context} tokens; the prompt has {len(ids)} and "
                 f"{wanted} more were asked for.",
                 param="max_tokens",
@@ -379,35 +373,33 @@ class Gateway:
                 )
         return Choices(response_id, prompts, generations)
 
+    def prepare_chat(self, body: ChatCompletionRequest, prefix: str) -> PreparedChat:
+        """A chat request checked (4xx for anything wrong) and rendered into its generations."""
+        self.check_model(body.model)
+        if body.top_logprobs and not body.logprobs:
+            raise bad_request("'top_logprobs' needs 'logprobs' set to true.", "top_logprobs")
+        tools_answer = self.tool_grammar(body)
+        messages = [_template_message(m) for m in body.messages]
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
+        try:
+            ids = self.codec.encode_chat(messages, tools)
+        except TemplateFailed as exc:
+            raise bad_request(str(exc), "messages") from None
+        if not ids:
+            raise bad_request("The messages render to an empty prompt.", "messages")
+        max_tokens = self.check_prompt(ids, body.max_completion_tokens or body.max_tokens, "messages")
+        top = body.top_logprobs or 0 if body.logprobs else 0
+        grammar = tools_answer.grammar if tools_answer else self.grammar(body)
+        params = self.sampling(body, max_tokens, bool(body.logprobs), top, grammar)
+        shared = self.codec.instructions_length(messages, tools, ids)
+        return PreparedChat(self.choices(prefix, [ids], [params], body, shared_prefix=shared), tools_answer)
+
 
 async def _run_to_end(gateway: Gateway, request: Request, choices: Choices, key: str) -> None:
     try:
-        await _run_watched(request, choices)
+        await run_watched(request, choices)
     finally:
         gateway.limiter.release(key)
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _run_watched(request: Request, choices: Choices) -> None:
-    """Run a non-streaming request's generations; stop them on the router if the client disconnects."""
-    work = asyncio.ensure_future(choices.run())
-    watch = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():
-            choices.abort()
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
-            raise ApiError(499, "The client closed the connection.", code="client_disconnected")
-        work.result()
-    finally:
-        watch.cancel()
 
 
 def _sse(payload: dict[str, Any]) -> str:
@@ -422,7 +414,7 @@ async def _stream(
     release: Callable[[], None],
     metrics: GatewayMetrics,
 ) -> AsyncIterator[str]:
-    watch = asyncio.ensure_future(_wait_for_disconnect(request))
+    watch = asyncio.ensure_future(wait_for_disconnect(request))
     watch.add_done_callback(lambda task: None if task.cancelled() else choices.abort())
     try:
         async for index, delta in choices.deltas():
@@ -486,10 +478,6 @@ def _streaming_response(
     return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-def _token_bytes(text: str) -> list[int]:
-    return list(text.encode("utf-8", errors="replace"))
-
-
 def _template_message(message: ChatMessage) -> dict[str, Any]:
     """A request's message as chat templates take it (an assistant's calls and a tool's answer included)."""
     out: dict[str, Any] = {"role": message.role, "content": message.text()}
@@ -508,49 +496,11 @@ def _template_call(call: dict[str, Any]) -> dict[str, Any]:
     return call
 
 
-def _answer(text: str, finish_reason: str | None, tools: ToolAnswer | None) -> tuple[dict[str, Any], str | None]:
-    """The assistant's message and finish reason: whole calls become `tool_calls`; a call cut short (by
-    max_tokens or a stop string) stays content, as the model wrote it."""
-    if tools is None:
-        return {"content": text}, finish_reason
-    prose, calls = read_calls(tools.reader(), text)
-    if not calls:
-        return {"content": text}, finish_reason
-    finish = "tool_calls" if finish_reason == "stop" else finish_reason
-    return {"content": prose if prose.strip() else None, "tool_calls": calls}, finish
-
-
-def _chat_logprobs(tokens: list[TokenLogprob]) -> ChoiceLogprobs:
-    content = [
-        TokenLogprobBody(
-            token=t.text,
-            logprob=t.logprob,
-            bytes=_token_bytes(t.text),
-            top_logprobs=[TopLogprob(token=s, logprob=lp, bytes=_token_bytes(s)) for s, lp in t.top or ()],
-        )
-        for t in tokens
-    ]
-    return ChoiceLogprobs(content=content)
-
-
-def _completion_logprobs(tokens: list[TokenLogprob], offset: int, wants_top: bool) -> CompletionLogprobs:
-    offsets = []
-    for t in tokens:
-        offsets.append(offset)
-        offset += len(t.text)
-    return CompletionLogprobs(
-        tokens=[t.text for t in tokens],
-        token_logprobs=[t.logprob for t in tokens],
-        top_logprobs=[None if t.top is None else dict(t.top) for t in tokens] if wants_top else None,
-        text_offset=offsets,
-    )
-
-
 def _describe_limits(schema: dict[str, Any], config: GatewayConfig) -> None:
     """Put this gateway's model name and vocabulary into its OpenAPI schema.
 
     The context limit stays out: how many tokens may be generated depends on the prompt's length,
-    and a request over it gets 413 naming max_context.
+    and a request over it gets 400 naming max_context (code context_length_exceeded, as OpenAI's).
     """
     components = schema["components"]["schemas"]
 
@@ -690,7 +640,7 @@ def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, ke
                     offsets[index] = 0
                 logprobs = None
                 if wants_logprobs:
-                    logprobs = _completion_logprobs(tokens, offsets[index], top > 0).model_dump()
+                    logprobs = completion_logprobs(tokens, offsets[index], top > 0).model_dump()
                     offsets[index] += sum(len(t.text) for t in tokens)
                 choice = {"index": index, "text": text, "logprobs": logprobs}
                 return envelope.chunk(choice | {"finish_reason": delta.finish_reason})
@@ -706,7 +656,7 @@ def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, ke
                 CompletionChoice(
                     index=index,
                     text=text,
-                    logprobs=_completion_logprobs(tokens, 0, top > 0) if wants_logprobs else None,
+                    logprobs=completion_logprobs(tokens, 0, top > 0) if wants_logprobs else None,
                     finish_reason=g.finish_reason,
                 )
                 for index, g in enumerate(choices.generations)
@@ -717,42 +667,20 @@ def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, ke
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**errors, **both})
     async def chat_completions(body: ChatCompletionRequest, request: Request, key: Key) -> Any:
-        gateway.check_model(body.model)
-        if body.top_logprobs and not body.logprobs:
-            raise bad_request("'top_logprobs' needs 'logprobs' set to true.", "top_logprobs")
-        tools_answer = gateway.tool_grammar(body)
-        messages = [_template_message(m) for m in body.messages]
-        tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
-        try:
-            ids = codec.encode_chat(messages, tools)
-        except TemplateFailed as exc:
-            raise bad_request(str(exc), "messages") from None
-        if not ids:
-            raise bad_request("The messages render to an empty prompt.", "messages")
-        max_tokens = gateway.check_prompt(ids, body.max_completion_tokens or body.max_tokens, "messages")
-        top = body.top_logprobs or 0 if body.logprobs else 0
-        grammar = tools_answer.grammar if tools_answer else gateway.grammar(body)
-        params = gateway.sampling(body, max_tokens, bool(body.logprobs), top, grammar)
-        shared = codec.instructions_length(messages, tools, ids)
-        choices = gateway.choices("chatcmpl", [ids], [params], body, shared_prefix=shared)
+        prepared = gateway.prepare_chat(body, "chatcmpl")
+        choices, tools_answer = prepared.choices, prepared.tools
         created = int(time.time())
         gateway.limiter.acquire(key)
         if body.stream:
             started: set[int] = set()
-            readers: dict[int, CallReader | ListReader] = {}  # each call is sent once it is whole
+            readers: dict[int, AnswerReader] = {}  # each call is sent once it is whole
 
             def chunk(index: int, delta: Delta) -> dict | None:
                 first = index not in started
-                text, calls, finish = delta.text, [], delta.finish_reason
-                if tools_answer is not None:
-                    reader = readers.setdefault(index, tools_answer.reader())
-                    before = reader.calls
-                    parts = [*reader.feed(text), *(reader.close() if finish else ())]
-                    text = "".join(p for p in parts if isinstance(p, str))
-                    whole = (p for p in parts if isinstance(p, dict))
-                    calls = [{**call, "index": before + n} for n, call in enumerate(whole)]  # which call it is
-                    if finish == "stop" and reader.calls:
-                        finish = "tool_calls"
+                reader = readers.setdefault(index, AnswerReader(tools_answer))
+                before = reader.calls
+                text, whole, finish = reader.feed(delta.text, delta.finish_reason)
+                calls = [{**call, "index": before + n} for n, call in enumerate(whole)]  # which call it is
                 if not (first or text or calls or finish or delta.tokens):
                     return None
                 content: dict[str, Any] = {}
@@ -763,7 +691,7 @@ def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, ke
                 if calls:
                     content["tool_calls"] = calls
                 started.add(index)
-                logprobs = _chat_logprobs(delta.tokens).model_dump() if body.logprobs else None
+                logprobs = chat_logprobs(delta.tokens).model_dump() if body.logprobs else None
                 choice = {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": finish}
                 return envelope.chunk(choice)
 
@@ -778,11 +706,11 @@ def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, ke
                 ChatChoice(
                     index=index,
                     message=AssistantMessage(**answer),
-                    logprobs=_chat_logprobs(g.logprobs) if body.logprobs else None,
+                    logprobs=chat_logprobs(g.logprobs) if body.logprobs else None,
                     finish_reason=finish,
                 )
                 for index, g in enumerate(choices.generations)
-                for answer, finish in [_answer(g.text, g.finish_reason, tools_answer)]
+                for answer, finish in [answer_message(g.text, g.finish_reason, tools_answer)]
             ],
             usage=choices.usage(),
         )

@@ -14,6 +14,7 @@ import contextlib
 import json
 import uuid
 from collections.abc import Collection, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from cascadia.engine.grammar import JSON_LAYOUT
@@ -245,3 +246,50 @@ def with_tools_in_text(messages: list[dict[str, Any]], tools: list[dict[str, Any
         else:
             out.insert(0, {"role": "system", "content": instructions})
     return out
+
+
+@dataclass(frozen=True)
+class ToolAnswer:
+    """How an answer that calls tools is held and read: `markup`, calls in `<tool_call>` blocks (text may
+    come first under tool_choice auto); otherwise a bare JSON list of calls."""
+
+    grammar: str
+    markup: bool
+
+    def reader(self) -> CallReader | ListReader:
+        return CallReader() if self.markup else ListReader()
+
+
+class AnswerReader:
+    """One streamed answer read as it arrives: its prose, its calls once each is whole, and its finish
+    reason ("tool_calls" for an answer that stopped after calling)."""
+
+    def __init__(self, tools: ToolAnswer | None) -> None:
+        self._reader = tools.reader() if tools is not None else None
+
+    def feed(self, text: str, finish: str | None) -> tuple[str, list[dict[str, Any]], str | None]:
+        reader = self._reader
+        if reader is None:
+            return text, [], finish
+        parts = [*reader.feed(text), *(reader.close() if finish else ())]
+        prose = "".join(p for p in parts if isinstance(p, str))
+        calls = [p for p in parts if isinstance(p, dict)]
+        if finish == "stop" and reader.calls:
+            finish = "tool_calls"
+        return prose, calls, finish
+
+    @property
+    def calls(self) -> int:
+        return self._reader.calls if self._reader is not None else 0
+
+
+def answer_message(text: str, finish_reason: str | None, tools: ToolAnswer | None) -> tuple[dict[str, Any], str | None]:
+    """The assistant's message and finish reason: whole calls become `tool_calls`; a call cut short (by
+    max_tokens or a stop string) stays content, as the model wrote it."""
+    if tools is None:
+        return {"content": text}, finish_reason
+    prose, calls = read_calls(tools.reader(), text)
+    if not calls:
+        return {"content": text}, finish_reason
+    finish = "tool_calls" if finish_reason == "stop" else finish_reason
+    return {"content": prose if prose.strip() else None, "tool_calls": calls}, finish
