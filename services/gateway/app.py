@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI completions and chat completions (JSON or SSE), models, health, metrics."""
+"""The FastAPI app: OpenAI completions, chat completions and responses (JSON or SSE), models, health, metrics."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Any
 
 import grpc
-from fastapi import Depends, FastAPI, Header, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -33,12 +33,14 @@ from cascadia.engine.grammar import (
     regex_grammar,
 )
 from cascadia.engine.sampling import SamplingParams
-from cascadia.gateway.auth import ConcurrencyLimiter, KeyRing
+from cascadia.gateway.auth import ConcurrencyLimiter, Key, KeyRing
 from cascadia.gateway.choices import Choices, choice_params
 from cascadia.gateway.errors import ApiError, bad_request, error_body
 from cascadia.gateway.generation import Delta, Generation, TokenLogprob
 from cascadia.gateway.logprobs import chat_logprobs, completion_logprobs
 from cascadia.gateway.metrics import GatewayMetrics
+from cascadia.gateway.response_store import MemoryStore, ResponseStore
+from cascadia.gateway.responses_routes import add_response_routes
 from cascadia.gateway.router_client import RouterClient
 from cascadia.gateway.schemas import (
     MAX_CHOICES,
@@ -151,16 +153,6 @@ class RequestCounter:
             await send(message)
 
         await self.app(scope, receive, counting_send)
-
-
-def authenticated(
-    request: Request, authorization: Annotated[str | None, Header(include_in_schema=False)] = None
-) -> str:
-    """The caller's key id (401 without a valid key, unless the gateway runs open)."""
-    return request.app.state.gateway.keys.authenticate(authorization)
-
-
-Key = Annotated[str, Depends(authenticated)]
 
 
 def _param_name(location: tuple) -> str | None:
@@ -514,7 +506,7 @@ def _describe_limits(schema: dict[str, Any], config: GatewayConfig) -> None:
             for value in node:
                 bound_token_ids(value)
 
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
+    for name in ("CompletionRequest", "ChatCompletionRequest", "ResponseRequest"):
         props = components[name]["properties"]
         props["model"]["enum"] = [config.model_name]
     bound_token_ids(components["CompletionRequest"]["properties"]["prompt"])
@@ -528,7 +520,11 @@ def _vocabulary(codec: TextCodec, config: GatewayConfig) -> GrammarVocabulary | 
         return None
 
 
-def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, keys: KeyRing) -> FastAPI:
+def create_app(
+    config: GatewayConfig, router: RouterClient, codec: TextCodec, keys: KeyRing, store: ResponseStore | None = None
+) -> FastAPI:
+    """`store`: where `/v1/responses` keeps responses (default: the most recent ones in memory)."""
+    responses_store = store or MemoryStore()
     metrics = GatewayMetrics()
     # an open gateway has no callers to tell apart: the router's queue bounds it instead
     per_key = 0 if keys.open else config.max_concurrent_per_key
@@ -540,6 +536,7 @@ def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, ke
             log.warning("no API keys configured: the gateway is open to anyone who can reach it")
         yield
         await router.close()
+        await responses_store.close()
 
     app = FastAPI(
         title="Cascadia", version="0.1.0", lifespan=lifespan, description="OpenAI-compatible API of a Cascadia fleet."
@@ -714,6 +711,8 @@ def create_app(config: GatewayConfig, router: RouterClient, codec: TextCodec, ke
             ],
             usage=choices.usage(),
         )
+
+    add_response_routes(app, gateway, responses_store)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

@@ -8,6 +8,9 @@ import os
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Annotated
+
+from fastapi import Depends, Header, Request
 
 from cascadia.gateway.errors import ApiError
 
@@ -82,3 +85,13 @@ class ConcurrencyLimiter:
         self.active[key] -= 1
         if self.active[key] <= 0:
             del self.active[key]
+
+
+def authenticated(
+    request: Request, authorization: Annotated[str | None, Header(include_in_schema=False)] = None
+) -> str:
+    """The caller's key id (401 without a valid key, unless the gateway runs open)."""
+    return request.app.state.gateway.keys.authenticate(authorization)
+
+
+Key = Annotated[str, Depends(authenticated)]

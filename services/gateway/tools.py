@@ -267,16 +267,21 @@ class AnswerReader:
     def __init__(self, tools: ToolAnswer | None) -> None:
         self._reader = tools.reader() if tools is not None else None
 
-    def feed(self, text: str, finish: str | None) -> tuple[str, list[dict[str, Any]], str | None]:
+    def parts(self, text: str, finish: str | None) -> tuple[list[str | dict[str, Any]], str | None]:
+        """The settled prose and whole calls in the order the model wrote them, and the finish reason."""
         reader = self._reader
         if reader is None:
-            return text, [], finish
+            return ([text] if text else []), finish
         parts = [*reader.feed(text), *(reader.close() if finish else ())]
-        prose = "".join(p for p in parts if isinstance(p, str))
-        calls = [p for p in parts if isinstance(p, dict)]
         if finish == "stop" and reader.calls:
             finish = "tool_calls"
-        return prose, calls, finish
+        return parts, finish
+
+    def feed(self, text: str, finish: str | None) -> tuple[str, list[dict[str, Any]], str | None]:
+        """The settled prose joined, the whole calls, and the finish reason."""
+        parts, finish = self.parts(text, finish)
+        prose = "".join(p for p in parts if isinstance(p, str))
+        return prose, [p for p in parts if isinstance(p, dict)], finish
 
     @property
     def calls(self) -> int:

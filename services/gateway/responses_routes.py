@@ -1,0 +1,216 @@
+"""`/v1/responses`: create (JSON or SSE events), retrieve, delete and list a stored response's input items."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import StreamingResponse
+
+from cascadia.gateway.auth import Key
+from cascadia.gateway.errors import ApiError
+from cascadia.gateway.response_store import ResponseStore, StoredResponse
+from cascadia.gateway.responses import (
+    OutputBuilder,
+    as_response_error,
+    chat_request,
+    input_items,
+    refuse_unsupported,
+    status_of,
+)
+from cascadia.gateway.responses_schemas import DeletedResponse, InputItemList, ResponseBody, ResponseRequest
+from cascadia.gateway.schemas import error_responses
+from cascadia.gateway.tools import AnswerReader
+from cascadia.gateway.watch import run_watched, wait_for_disconnect
+
+if TYPE_CHECKING:
+    from cascadia.gateway.app import Gateway, PreparedChat
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+MAX_LISTED_ITEMS = 100
+
+
+def _event(event: dict[str, Any]) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
+
+
+def _not_found(response_id: str, param: str | None = None) -> ApiError:
+    return ApiError(404, f"No response with id '{response_id}' is stored.", param=param, code="response_not_found")
+
+
+def _started(body: ResponseRequest, prepared: PreparedChat, model: str, keep: bool) -> ResponseBody:
+    """The response as it stands before its first token."""
+    shape = body.text.format if body.text is not None and body.text.format is not None else None
+    return ResponseBody(
+        id=prepared.choices.response_id,
+        created_at=int(time.time()),
+        status="in_progress",
+        model=model,
+        output=[],
+        instructions=body.instructions,
+        previous_response_id=body.previous_response_id,
+        max_output_tokens=body.max_output_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_logprobs=body.top_logprobs,
+        tools=[tool for tool in body.tools or ()],
+        tool_choice=body.tool_choice or "auto",
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+        text={"format": shape.model_dump(by_alias=True, exclude_none=True) if shape else {"type": "text"}},
+        store=keep,
+        metadata=body.metadata or {},
+        user=body.user,
+    )
+
+
+def _finished(started: ResponseBody, prepared: PreparedChat, builder: OutputBuilder) -> ResponseBody:
+    generation = prepared.choices.generations[0]
+    status, incomplete = status_of(generation.finish_reason)
+    usage = prepared.choices.usage()
+    return ResponseBody.model_validate(
+        started.model_dump()
+        | {
+            "status": status,
+            "incomplete_details": incomplete,
+            "completed_at": int(time.time()),
+            "output": builder.output,
+            "usage": {
+                "input_tokens": usage.prompt_tokens,
+                "input_tokens_details": usage.prompt_tokens_details.model_dump(),
+                "output_tokens": usage.completion_tokens,
+                "total_tokens": usage.total_tokens,
+            },
+        }
+    )
+
+
+def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) -> None:
+    errors = error_responses(400, 401, 404, 413, 429, 503)
+    events = {200: {"content": {"text/event-stream": {}}}}
+
+    @app.post("/v1/responses", response_model=ResponseBody, responses={**errors, **events})
+    async def create_response(body: ResponseRequest, request: Request, key: Key) -> Any:
+        gateway.check_model(body.model)
+        refuse_unsupported(body)
+        context: list[dict[str, Any]] = []
+        if body.previous_response_id is not None:
+            previous = await store.get(body.previous_response_id, key)
+            if previous is None:
+                raise _not_found(body.previous_response_id, "previous_response_id")
+            context = previous.conversation()
+        items = input_items(body)
+        try:
+            prepared = gateway.prepare_chat(chat_request(body, context + items), "resp")
+        except ApiError as exc:
+            raise as_response_error(exc) from None
+        keep = body.store is not False
+        started = _started(body, prepared, gateway.config.model_name, keep)
+        builder = OutputBuilder(wants_logprobs=body.wants_logprobs)
+
+        async def stored(response: ResponseBody) -> ResponseBody:
+            if keep:
+                await store.put(StoredResponse(key, response.model_dump(mode="json"), items, context))
+            return response
+
+        gateway.limiter.acquire(key)
+        if body.stream:
+            stream = _events(request, gateway, key, prepared, started, builder, stored)
+            return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+        try:
+            await run_watched(request, prepared.choices)
+        finally:
+            gateway.limiter.release(key)
+        generation = prepared.choices.generations[0]
+        parts, finish = AnswerReader(prepared.tools).parts(generation.text, generation.finish_reason or "stop")
+        builder.feed(parts, generation.logprobs)
+        builder.finish(finish)
+        return await stored(_finished(started, prepared, builder))
+
+    @app.get("/v1/responses/{response_id}", response_model=ResponseBody, responses=error_responses(401, 404))
+    async def retrieve_response(response_id: str, key: Key) -> Any:
+        stored = await store.get(response_id, key)
+        if stored is None:
+            raise _not_found(response_id)
+        return stored.body
+
+    @app.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=error_responses(401, 404))
+    async def delete_response(response_id: str, key: Key) -> DeletedResponse:
+        if not await store.delete(response_id, key):
+            raise _not_found(response_id)
+        return DeletedResponse(id=response_id)
+
+    @app.get(
+        "/v1/responses/{response_id}/input_items", response_model=InputItemList, responses=error_responses(401, 404)
+    )
+    async def list_input_items(
+        response_id: str,
+        key: Key,
+        limit: int = Query(20, ge=1, le=MAX_LISTED_ITEMS),
+        order: str = Query("desc", pattern="^(asc|desc)$"),
+        after: str | None = None,
+    ) -> InputItemList:
+        stored = await store.get(response_id, key)
+        if stored is None:
+            raise _not_found(response_id)
+        # items a client gave without ids are listed under their place in the input
+        items = [{**item, "id": item.get("id") or f"{response_id}-item-{i}"} for i, item in enumerate(stored.input)]
+        if order == "desc":
+            items.reverse()
+        if after is not None:
+            ids = [item["id"] for item in items]
+            items = items[ids.index(after) + 1 :] if after in ids else []
+        page = items[:limit]
+        return InputItemList(
+            data=page,
+            first_id=page[0]["id"] if page else None,
+            last_id=page[-1]["id"] if page else None,
+            has_more=len(items) > limit,
+        )
+
+
+async def _events(
+    request: Request,
+    gateway: Gateway,
+    key: str,
+    prepared: PreparedChat,
+    started: ResponseBody,
+    builder: OutputBuilder,
+    stored: Callable[[ResponseBody], Awaitable[ResponseBody]],
+) -> AsyncIterator[str]:
+    """The response's events: created, its items as they arrive, and completed (or incomplete, or failed)."""
+    choices = prepared.choices
+    watch = asyncio.ensure_future(wait_for_disconnect(request))
+    watch.add_done_callback(lambda task: None if task.cancelled() else choices.abort())
+    reader = AnswerReader(prepared.tools)
+    snapshot = started.model_dump(mode="json")
+    try:
+        yield _event(builder.event("response.created", response=snapshot))
+        yield _event(builder.event("response.in_progress", response=snapshot))
+        finish: str | None = None
+        async for _, delta in choices.deltas():
+            parts, finish = reader.parts(delta.text, delta.finish_reason)
+            for event in builder.feed(parts, delta.tokens):
+                yield _event(event)
+        for event in builder.finish(finish):
+            yield _event(event)
+        final = await stored(_finished(started, prepared, builder))
+        kind = "response.incomplete" if final.status == "incomplete" else "response.completed"
+        yield _event(builder.event(kind, response=final.model_dump(mode="json")))
+    except ApiError as exc:  # headers are sent: the failure travels as events
+        code = exc.code or exc.type
+        gateway.metrics.errors.labels(code).inc()
+        failed = ResponseBody.model_validate(
+            started.model_dump() | {"status": "failed", "error": {"code": code, "message": exc.message}}
+        )
+        yield _event(builder.event("error", code=code, message=exc.message, param=exc.param))
+        yield _event(builder.event("response.failed", response=failed.model_dump(mode="json")))
+    except asyncio.CancelledError:
+        gateway.metrics.errors.labels("client_disconnected").inc()
+        raise
+    finally:
+        watch.cancel()
+        gateway.limiter.release(key)
