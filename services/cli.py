@@ -14,6 +14,8 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from cascadia.gateway.response_store import DEFAULT_CAPACITY, DEFAULT_TTL_S
+
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Cascadia: MoE serving across a fleet.")
 model_app = typer.Typer(no_args_is_help=True, help="Model files: synthetic checkpoints.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that write JSON and PNG.")
@@ -801,17 +803,31 @@ def gateway(
     ] = 0,
     max_concurrent_per_key: MaxConcurrentPerKey = 64,
     max_body_bytes: Annotated[int, typer.Option(min=1024, help="Largest request body accepted.")] = 8 << 20,
+    redis_url: Annotated[
+        str | None,
+        typer.Option("--redis", help="Keep /v1/responses in this Redis, shared by every gateway (none: in memory)."),
+    ] = None,
+    response_ttl: Annotated[
+        int, typer.Option(min=1, help="Seconds a response stays in Redis after it was last read.")
+    ] = DEFAULT_TTL_S,
+    stored_responses: Annotated[
+        int, typer.Option(min=1, help="Responses kept in memory without --redis, the least recently used given up.")
+    ] = DEFAULT_CAPACITY,
 ) -> None:
     """The OpenAI-compatible REST API in front of a router."""
     import logging
 
-    from cascadia.gateway.server import build_app, serve
+    from cascadia.gateway.server import build_app, response_store, serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     model_dir = resolve_model(model)
     from cascadia.model.loader import served_name
 
     name = served_model_name or served_name(model_dir)
+    try:
+        store = response_store(redis_url, response_ttl, stored_responses)
+    except ValueError as exc:
+        raise fail(f"--redis {redis_url}: {exc}") from None
     try:
         app_ = build_app(
             router,
@@ -822,6 +838,7 @@ def gateway(
             max_prompt_tokens,
             max_concurrent_per_key,
             max_body_bytes,
+            store,
         )
     except FileNotFoundError as exc:
         raise fail(f"--model {model}: {exc}") from None

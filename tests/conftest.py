@@ -12,6 +12,9 @@ import pytest
 
 from cascadia.model.synthetic import SyntheticSpec, write_checkpoint
 
+# the live fleet behind the gateway, shared by the gateway's test modules (one fleet per module)
+pytest_plugins = ["tests.live_gateway"]
+
 # Tiny configs chosen to hit every branch: ring wrap-around (window and rel_extent far below the
 # test lengths), log scaling, shared experts, dense and MoE layers, sliding and global layers with
 # different head counts and head sizes, grouped and ungrouped attention.

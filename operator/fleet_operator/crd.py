@@ -190,7 +190,7 @@ SPEC = _object(
             },
         ),
         "redis": _object(
-            "The shared-context index.",
+            "The shared-context index, and the gateways' stored responses.",
             {
                 "managed": _s("Run a Redis StatefulSet for the fleet.", type="boolean", default=True),
                 "url": _string("An external Redis (redis:// or rediss://) when not managed.", pattern=r"^rediss?://.+"),

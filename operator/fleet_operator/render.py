@@ -313,12 +313,17 @@ def gateway_children(fleet: Fleet, plan: FleetPlan) -> list[dict[str, Any]]:
         volumes.append({"name": "api-keys", "secret": {"secretName": gateway["apiKeySecret"]}})
         mounts.append({"name": "api-keys", "mountPath": KEYS_MOUNT, "readOnly": True})
         args += ["--api-keys-file", f"{KEYS_MOUNT}/keys"]
+    # stored responses (/v1/responses) in the fleet's Redis, so that any replica continues a conversation
+    store = redis_url(fleet)
+    if store:
+        args += ["--redis", store]
+    env = redis_env(fleet)
     probe = {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 10, "timeoutSeconds": 5}
     container = _container(
         "gateway", spec.get("images", "gateway"), args, spec,
         ports=[{"name": "http", "containerPort": 8000, "protocol": "TCP"}], readinessProbe=probe,
         livenessProbe={"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 20},
-        resources=_resources(spec, "gateway"), volumeMounts=mounts,
+        resources=_resources(spec, "gateway"), volumeMounts=mounts, **({"env": env} if env else {}),
     )  # fmt: skip
     # the tokenizer lives in the checkpoint, which only the fleet's nodes hold
     affinity = _node_affinity(sorted({s.node for s in plan.stages}))
@@ -328,10 +333,18 @@ def gateway_children(fleet: Fleet, plan: FleetPlan) -> list[dict[str, Any]]:
     return [deployment, service(fleet, name, "gateway", ports, gateway["serviceType"])]
 
 
-def redis_url(fleet: Fleet) -> str:
+def redis_url(fleet: Fleet) -> str | None:
     if fleet.spec.get("redis", "managed"):
         return f"redis://{fleet.name}-redis.{fleet.namespace}.svc:{REDIS_PORT}/0"
     return fleet.spec.get("redis", "url")
+
+
+def redis_env(fleet: Fleet) -> list[dict[str, Any]]:
+    """The external Redis's password, for the containers that reach it."""
+    secret = fleet.spec.get("redis", "passwordSecret")
+    if secret and not fleet.spec.get("redis", "managed"):
+        return [{"name": "CASCADIA_REDIS_PASSWORD", "valueFrom": {"secretKeyRef": secret}}]
+    return []
 
 
 def draft_children(fleet: Fleet) -> list[dict[str, Any]]:
@@ -343,10 +356,7 @@ def draft_children(fleet: Fleet) -> list[dict[str, Any]]:
         "draft", "--listen", f"0.0.0.0:{DRAFT_PORT}", "--redis", redis_url(fleet),
         "--trust", str(draft["minSharedAgreement"]),
     ]  # fmt: skip
-    env = []
-    secret = spec.get("redis", "passwordSecret")
-    if secret and not spec.get("redis", "managed"):
-        env.append({"name": "CASCADIA_REDIS_PASSWORD", "valueFrom": {"secretKeyRef": secret}})
+    env = redis_env(fleet)
     container = _container(
         "draft", spec.get("images", "draft"), args, spec,
         ports=_tcp([{"name": "grpc", "containerPort": DRAFT_PORT}]),
@@ -408,7 +418,7 @@ def network_policies(fleet: Fleet) -> list[dict[str, Any]]:
         _policy(fleet, "router", [(["gateway"], ROUTER_PORT), (["shard"], COLLECT_PORT)]),
     ]
     if fleet.spec.get("redis", "managed"):
-        policies.append(_policy(fleet, "redis", [(["draft", "router"], REDIS_PORT)]))
+        policies.append(_policy(fleet, "redis", [(["draft", "router", "gateway"], REDIS_PORT)]))
     if fleet.spec.get("draft", "enabled"):
         policies.append(_policy(fleet, "draft", [(["router"], DRAFT_PORT)]))
     return policies

@@ -1,20 +1,39 @@
 """Stored responses: what `GET /v1/responses/{id}` returns and what `previous_response_id` continues.
 
-A gateway alone keeps them in memory (the most recent `capacity`); gateways that share a Redis (an
-InklingFleet's replicas) keep them there, each for `ttl` seconds, so that a conversation may go on
-through any of them. A response belongs to the API key that created it: another key finds nothing.
+A gateway alone keeps them in memory (the most recently used `capacity`); gateways that share a Redis
+(an InklingFleet's replicas) keep them there, each until `ttl_s` seconds after it was last read, so
+that a conversation may go on through any of them. Each response holds its own input and output and
+names the response it continued, so a long conversation is stored once, not once per turn. A response
+belongs to the API key that created it: another key finds nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 DEFAULT_CAPACITY = 1024
-DEFAULT_TTL_S = 30 * 24 * 3600  # as long as OpenAI keeps a stored response
+DEFAULT_TTL_S = 24 * 3600  # after its last read; a fleet's Redis is memory, not an archive
 KEY_PREFIX = "cascadia:response:"
+
+
+MAX_TURNS = 4096  # responses one conversation may chain (each turn adds at least a token to the context)
+
+
+class StoreUnavailable(RuntimeError):
+    """The store did not answer (Redis down or unreachable)."""
+
+
+class ConversationLost(LookupError):
+    """A response that a stored one continues is no longer stored."""
+
+    def __init__(self, response_id: str) -> None:
+        super().__init__(response_id)
+        self.response_id = response_id
 
 
 @dataclass(frozen=True)
@@ -22,15 +41,18 @@ class StoredResponse:
     owner: str  # the key id that created it
     body: dict[str, Any]  # the response as it was returned
     input: list[dict[str, Any]]  # the input items it was given
-    context: list[dict[str, Any]]  # the items of the responses it continues, before its input
 
     @property
     def id(self) -> str:
         return self.body["id"]
 
-    def conversation(self) -> list[dict[str, Any]]:
-        """The items a response continuing this one starts with: its context, its input, its output."""
-        return [*self.context, *self.input, *(output_as_input(item) for item in self.body["output"])]
+    @property
+    def previous(self) -> str | None:
+        return self.body.get("previous_response_id")
+
+    def turn(self) -> list[dict[str, Any]]:
+        """This response's own items: its input, then its output as a later request gives it back."""
+        return [*self.input, *(output_as_input(item) for item in self.body["output"])]
 
 
 def output_as_input(item: dict[str, Any]) -> dict[str, Any]:
@@ -49,6 +71,17 @@ class ResponseStore(Protocol):
     async def delete(self, response_id: str, owner: str) -> bool: ...
 
     async def close(self) -> None: ...
+
+
+async def conversation(store: ResponseStore, last: StoredResponse) -> list[dict[str, Any]]:
+    """The items of every turn up to `last`, oldest first (ConversationLost if one is gone)."""
+    turns = [last]
+    while turns[-1].previous is not None and len(turns) < MAX_TURNS:
+        earlier = await store.get(turns[-1].previous, last.owner)
+        if earlier is None:
+            raise ConversationLost(turns[-1].previous)
+        turns.append(earlier)
+    return [item for stored in reversed(turns) for item in stored.turn()]
 
 
 class MemoryStore:
@@ -85,7 +118,10 @@ class MemoryStore:
 
 
 class RedisStore:
-    """Responses in a Redis that every gateway of a fleet reaches, each expiring `ttl_s` after it was stored."""
+    """Responses in a Redis that every gateway of a fleet reaches, each expiring `ttl_s` after its last read.
+
+    A Redis that does not answer raises StoreUnavailable, within a second, rather than hold the request.
+    """
 
     def __init__(self, url: str, ttl_s: int = DEFAULT_TTL_S, password: str | None = None) -> None:
         import redis.asyncio as redis
@@ -93,22 +129,38 @@ class RedisStore:
         if ttl_s < 1:
             raise ValueError(f"ttl_s must be >= 1, got {ttl_s}")
         self.ttl_s = ttl_s
-        self._redis = redis.Redis.from_url(url, password=password, decode_responses=True)
+        self._redis = redis.Redis.from_url(
+            url, password=password, decode_responses=True, socket_timeout=1.0, socket_connect_timeout=1.0
+        )
 
     async def get(self, response_id: str, owner: str) -> StoredResponse | None:
-        raw = await self._redis.get(KEY_PREFIX + response_id)
+        with _answering():
+            raw = await self._redis.getex(KEY_PREFIX + response_id, ex=self.ttl_s)  # read: kept ttl_s longer
         if raw is None:
             return None
         stored = StoredResponse(**json.loads(raw))
         return stored if stored.owner == owner else None
 
     async def put(self, stored: StoredResponse) -> None:
-        await self._redis.set(KEY_PREFIX + stored.id, json.dumps(asdict(stored), separators=(",", ":")), ex=self.ttl_s)
+        raw = json.dumps(asdict(stored), separators=(",", ":"))
+        with _answering():
+            await self._redis.set(KEY_PREFIX + stored.id, raw, ex=self.ttl_s)
 
     async def delete(self, response_id: str, owner: str) -> bool:
         if await self.get(response_id, owner) is None:
             return False
-        return bool(await self._redis.delete(KEY_PREFIX + response_id))
+        with _answering():
+            return bool(await self._redis.delete(KEY_PREFIX + response_id))
 
     async def close(self) -> None:
         await self._redis.aclose()
+
+
+@contextlib.contextmanager
+def _answering() -> Iterator[None]:
+    import redis
+
+    try:
+        yield
+    except (redis.RedisError, OSError) as exc:
+        raise StoreUnavailable(f"{type(exc).__name__}: {exc}") from exc

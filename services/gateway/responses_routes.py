@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Query, Request
@@ -13,7 +15,13 @@ from fastapi.responses import StreamingResponse
 
 from cascadia.gateway.auth import Key
 from cascadia.gateway.errors import ApiError
-from cascadia.gateway.response_store import ResponseStore, StoredResponse
+from cascadia.gateway.response_store import (
+    ConversationLost,
+    ResponseStore,
+    StoredResponse,
+    StoreUnavailable,
+    conversation,
+)
 from cascadia.gateway.responses import (
     OutputBuilder,
     as_response_error,
@@ -30,12 +38,23 @@ from cascadia.gateway.watch import run_watched, wait_for_disconnect
 if TYPE_CHECKING:
     from cascadia.gateway.app import Gateway, PreparedChat
 
+log = logging.getLogger("cascadia.gateway")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 MAX_LISTED_ITEMS = 100
 
 
 def _event(event: dict[str, Any]) -> str:
     return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
+
+
+@contextlib.contextmanager
+def _store_answering() -> Iterator[None]:
+    """A store that does not answer is a 503 for the request that needed it."""
+    try:
+        yield
+    except StoreUnavailable as exc:
+        message = f"Stored responses are unavailable: {exc}"
+        raise ApiError(503, message, "server_error", code="store_unavailable") from None
 
 
 def _not_found(response_id: str, param: str | None = None) -> ApiError:
@@ -98,10 +117,21 @@ def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) ->
         refuse_unsupported(body)
         context: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
-            previous = await store.get(body.previous_response_id, key)
+            with _store_answering():
+                previous = await store.get(body.previous_response_id, key)
             if previous is None:
                 raise _not_found(body.previous_response_id, "previous_response_id")
-            context = previous.conversation()
+            try:
+                with _store_answering():
+                    context = await conversation(store, previous)
+            except ConversationLost as lost:
+                raise ApiError(
+                    404,
+                    f"Response '{lost.response_id}', which '{body.previous_response_id}' continues, is no longer "
+                    "stored: give the conversation as input instead.",
+                    param="previous_response_id",
+                    code="response_not_found",
+                ) from None
         items = input_items(body)
         try:
             prepared = gateway.prepare_chat(chat_request(body, context + items), "resp")
@@ -112,8 +142,13 @@ def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) ->
         builder = OutputBuilder(wants_logprobs=body.wants_logprobs)
 
         async def stored(response: ResponseBody) -> ResponseBody:
+            """The response, stored when asked: the answer is given even when the store fails to keep it."""
             if keep:
-                await store.put(StoredResponse(key, response.model_dump(mode="json"), items, context))
+                try:
+                    await store.put(StoredResponse(key, response.model_dump(mode="json"), items))
+                except StoreUnavailable as exc:
+                    gateway.metrics.errors.labels("store_unavailable").inc()
+                    log.warning("response %s was not stored: %s", response.id, exc)
             return response
 
         gateway.limiter.acquire(key)
@@ -130,21 +165,24 @@ def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) ->
         builder.finish(finish)
         return await stored(_finished(started, prepared, builder))
 
-    @app.get("/v1/responses/{response_id}", response_model=ResponseBody, responses=error_responses(401, 404))
+    @app.get("/v1/responses/{response_id}", response_model=ResponseBody, responses=error_responses(401, 404, 503))
     async def retrieve_response(response_id: str, key: Key) -> Any:
-        stored = await store.get(response_id, key)
+        with _store_answering():
+            stored = await store.get(response_id, key)
         if stored is None:
             raise _not_found(response_id)
         return stored.body
 
-    @app.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=error_responses(401, 404))
+    @app.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=error_responses(401, 404, 503))
     async def delete_response(response_id: str, key: Key) -> DeletedResponse:
-        if not await store.delete(response_id, key):
+        with _store_answering():
+            deleted = await store.delete(response_id, key)
+        if not deleted:
             raise _not_found(response_id)
         return DeletedResponse(id=response_id)
 
     @app.get(
-        "/v1/responses/{response_id}/input_items", response_model=InputItemList, responses=error_responses(401, 404)
+        "/v1/responses/{response_id}/input_items", response_model=InputItemList, responses=error_responses(401, 404, 503)
     )
     async def list_input_items(
         response_id: str,
@@ -153,7 +191,8 @@ def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) ->
         order: str = Query("desc", pattern="^(asc|desc)$"),
         after: str | None = None,
     ) -> InputItemList:
-        stored = await store.get(response_id, key)
+        with _store_answering():
+            stored = await store.get(response_id, key)
         if stored is None:
             raise _not_found(response_id)
         # items a client gave without ids are listed under their place in the input

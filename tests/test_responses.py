@@ -1,0 +1,284 @@
+"""The Responses API's pieces without a fleet: input items to chat messages, the output builder's items and
+events, the stores (in memory and in a real Redis), and what the app refuses before the router."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from cascadia.gateway.app import GatewayConfig, create_app
+from cascadia.gateway.auth import KeyRing
+from cascadia.gateway.generation import TokenLogprob
+from cascadia.gateway.response_store import (
+    ConversationLost,
+    MemoryStore,
+    RedisStore,
+    StoredResponse,
+    StoreUnavailable,
+    conversation,
+)
+from cascadia.gateway.responses import OutputBuilder, chat_messages, chat_request, input_items
+from cascadia.gateway.responses_schemas import ResponseRequest
+from cascadia.gateway.router_client import RouterClient
+from cascadia.gateway.text import TextCodec
+from cascadia.gateway.tools import AnswerReader, ToolAnswer
+from cascadia.router.local import free_port
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+IMAGE = {"type": "input_image", "image_url": "https://example.com/a.png"}
+BAD_SCHEMA = {"type": "json_schema", "name": "s", "schema": {"type": "frob"}}
+MARKUP = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+
+
+def request(**fields) -> ResponseRequest:
+    return ResponseRequest.model_validate({"model": "tiny", **fields})
+
+
+def test_input_items_become_chat_messages_with_calls_joining_the_assistant_turn_before_them():
+    body = request(
+        instructions="Be brief.",
+        input=[
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+            {"type": "function_call", "call_id": "call_2", "name": "get_time", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "-3 C"},
+            {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "noon"}]},
+            {"role": "developer", "content": [{"type": "input_text", "text": t} for t in ("Now ", "sum up.")]},
+        ],
+    )  # fmt: skip
+    messages = chat_messages(body.instructions, input_items(body))
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "tool", "developer"]
+    assert messages[0]["content"] == "Be brief." and messages[-1]["content"] == "Now sum up."
+    assert messages[2]["content"] == "Checking."
+    assert [c["id"] for c in messages[2]["tool_calls"]] == ["call_1", "call_2"]
+    assert (messages[3]["tool_call_id"], messages[3]["content"]) == ("call_1", "-3 C")
+    assert messages[4]["content"] == "noon"
+    # a call with no assistant text before it is an assistant turn of its own
+    alone = chat_messages(None, [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}])
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    assert alone == [{"role": "assistant", "content": None, "tool_calls": [call]}]
+
+
+def test_text_input_is_one_user_message_and_the_chat_request_carries_every_setting():
+    body = request(
+        input="Hi",
+        max_output_tokens=7,
+        temperature=0.5,
+        top_p=0.9,
+        seed=3,
+        include=["message.output_text.logprobs"],
+        top_logprobs=2,
+        tools=[{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}],
+        tool_choice={"type": "function", "name": "get_weather"},
+        parallel_tool_calls=False,
+    )
+    assert input_items(body) == [{"type": "message", "role": "user", "content": "Hi"}]
+    chat = chat_request(body, input_items(body))
+    assert (chat.max_tokens, chat.temperature, chat.top_p, chat.seed) == (7, 0.5, 0.9, 3)
+    assert chat.logprobs is True and chat.top_logprobs == 2
+    assert chat.tools[0].function.name == "get_weather" and chat.tools[0].function.parameters == {"type": "object"}
+    assert chat.tool_choice.function.name == "get_weather" and chat.parallel_tool_calls is False
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for shape in ({"type": "json_schema", "name": "s", "schema": schema}, {"type": "json_object"}):
+        body = request(input="x", text={"format": shape})
+        shaped = chat_request(body, input_items(body)).response_format
+        assert shaped.type == shape["type"]
+        assert shape["type"] == "json_object" or shaped.json_schema.json_schema == schema
+
+
+def _replay(events: list[dict]) -> list[dict]:
+    """The output items a client rebuilds from the events alone."""
+    items: dict[int, dict] = {}
+    for event in events:
+        if event["type"] == "response.output_item.added":
+            items[event["output_index"]] = {**event["item"], "text": "", "arguments": ""}
+        elif event["type"] == "response.output_text.delta":
+            items[event["output_index"]]["text"] += event["delta"]
+        elif event["type"] == "response.function_call_arguments.delta":
+            items[event["output_index"]]["arguments"] += event["delta"]
+        elif event["type"] == "response.output_item.done":
+            done = event["item"]
+            rebuilt = items[event["output_index"]]
+            if done["type"] == "message":
+                assert done["content"][0]["text"] == rebuilt["text"]
+            else:
+                assert done["arguments"] == rebuilt["arguments"]
+            items[event["output_index"]] = done
+    return [items[i] for i in sorted(items)]
+
+
+@pytest.mark.parametrize(
+    ("text", "finish", "kinds"),
+    [
+        ("Plain words.", "stop", ["message"]),
+        ("", "stop", ["message"]),
+        ("\n" + MARKUP, "stop", ["function_call"]),  # a blank line before a call is no message
+        ("Let me look. " + MARKUP + "\n" + MARKUP, "stop", ["message", "function_call", "function_call"]),
+        (MARKUP + '\n<tool_call>\n{"name": "get_w', "length", ["function_call", "message"]),  # cut short
+    ],
+)
+def test_the_output_streamed_in_pieces_is_the_output_built_whole(text, finish, kinds):
+    tools = ToolAnswer("", markup=True)
+    whole = OutputBuilder()
+    parts, whole_finish = AnswerReader(tools).parts(text, finish)
+    whole.feed(parts, [])
+    whole.finish(whole_finish)
+
+    streamed, reader, events = OutputBuilder(), AnswerReader(tools), []
+    pieces = [text[i : i + 3] for i in range(0, len(text), 3)] or [""]
+    for n, piece in enumerate(pieces):
+        parts, streamed_finish = reader.parts(piece, finish if n == len(pieces) - 1 else None)
+        events += streamed.feed(parts, [])
+    events += streamed.finish(streamed_finish)
+
+    assert [item["type"] for item in whole.output] == [item["type"] for item in streamed.output] == kinds
+    strip = lambda items: [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in items]  # noqa: E731
+    assert strip(whole.output) == strip(streamed.output) == strip(_replay(events))
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    if kinds[-1] == "message":
+        assert streamed.output[-1]["status"] == ("incomplete" if finish == "length" else "completed")
+    calls = [item for item in whole.output if item["type"] == "function_call"]
+    assert all(c["name"] == "get_weather" and json.loads(c["arguments"]) == {"city": "Oslo"} for c in calls)
+
+
+def test_log_probs_ride_on_the_text_deltas_that_carry_their_tokens():
+    builder = OutputBuilder(wants_logprobs=True)
+    first = builder.feed(["He"], [TokenLogprob(1, "He", -0.5, (("He", -0.5),))])
+    second = builder.feed(["llo"], [TokenLogprob(2, "llo", -1.0, (("llo", -1.0), ("p", -2.0)))])
+    done = builder.finish("stop")
+    deltas = [e for e in first + second if e["type"] == "response.output_text.delta"]
+    assert [[lp["token"] for lp in d["logprobs"]] for d in deltas] == [["He"], ["llo"]]
+    assert [t["token"] for t in deltas[1]["logprobs"][0]["top_logprobs"]] == ["llo", "p"]
+    text_done = next(e for e in done if e["type"] == "response.output_text.done")
+    assert text_done["text"] == "Hello" and [lp["logprob"] for lp in text_done["logprobs"]] == [-0.5, -1.0]
+
+
+def _stored(response_id: str, previous: str | None, said: str, owner: str = "alice") -> StoredResponse:
+    text = {"type": "output_text", "text": f"re: {said}", "annotations": [], "logprobs": [{"token": "x"}]}
+    answer = {"id": f"msg_{response_id}", "type": "message", "role": "assistant", "status": "completed"}
+    answer["content"] = [text]
+    body = {"id": response_id, "previous_response_id": previous, "output": [answer]}
+    return StoredResponse(owner, body, [{"type": "message", "role": "user", "content": said}])
+
+
+async def _conversation_checks(store) -> None:
+    for n, previous in enumerate([None, "r0", "r1"]):
+        await store.put(_stored(f"r{n}", previous, f"turn {n}"))
+    last = await store.get("r2", "alice")
+    items = await conversation(store, last)
+    assert [i["content"] if i["role"] == "user" else i["content"][0]["text"] for i in items] == [
+        "turn 0", "re: turn 0", "turn 1", "re: turn 1", "turn 2", "re: turn 2",
+    ]  # fmt: skip
+    assert all("logprobs" not in part for i in items if i["role"] == "assistant" for part in i["content"])
+    assert await store.get("r2", "mallory") is None  # another key finds nothing
+    assert not await store.delete("r1", "mallory") and await store.delete("r1", "alice")
+    with pytest.raises(ConversationLost) as lost:
+        await conversation(store, last)
+    assert lost.value.response_id == "r1"
+
+
+def test_the_memory_store_chains_turns_and_gives_up_the_least_recently_used():
+    async def run():
+        await _conversation_checks(MemoryStore(8))
+        store = MemoryStore(2)
+        for n in range(2):
+            await store.put(_stored(f"s{n}", None, "x"))
+        assert await store.get("s0", "alice") is not None  # read: s1 is now the least recently used
+        await store.put(_stored("s2", None, "x"))
+        assert await store.get("s1", "alice") is None and await store.get("s0", "alice") is not None
+
+    asyncio.run(run())
+
+
+def test_the_redis_store_chains_turns_expires_them_and_says_when_redis_is_gone(redis_server):
+    url, process = redis_server
+
+    async def run():
+        store = RedisStore(url, ttl_s=60)
+        await _conversation_checks(store)
+        import redis.asyncio as redis
+
+        raw = redis.Redis.from_url(url)
+        assert 0 < await raw.ttl("cascadia:response:r2") <= 60
+        await raw.expire("cascadia:response:r2", 5)
+        await store.get("r2", "alice")  # a read keeps it ttl_s longer
+        assert await raw.ttl("cascadia:response:r2") > 5
+        await raw.aclose()
+        await store.close()
+
+    asyncio.run(run())
+    process.terminate()
+    process.wait(10)
+
+    async def gone():
+        store = RedisStore(url, ttl_s=60)
+        with pytest.raises(StoreUnavailable):
+            await store.get("r2", "alice")
+        with pytest.raises(StoreUnavailable):
+            await store.put(_stored("r9", None, "x"))
+        await store.close()
+
+    asyncio.run(gone())
+
+
+@pytest.fixture
+def call(tiny):
+    # nothing listens on the router's port: a request that got past the gateway's checks would be a 503
+    config = GatewayConfig("tiny", 500, max_context=64)
+    app = create_app(config, RouterClient(f"127.0.0.1:{free_port()}"), TextCodec.from_directory(tiny), KeyRing(["k"]))
+
+    def run(method: str, path: str, **kwargs) -> httpx.Response:
+        async def go():
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+                return await client.request(method, path, headers={"Authorization": "Bearer k"}, **kwargs)
+
+        return asyncio.run(go())
+
+    return run
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param", "words"),
+    [
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            400,
+            "input[0].content[0]",
+            "input_image",
+        ),
+        ({"input": [{"type": "reasoning", "summary": []}]}, 400, "input[0]", "reasoning"),
+        ({"input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools[0]", "web_search"),
+        ({"input": "hi", "reasoning": {"effort": "high"}}, 400, "reasoning", "reason"),
+        ({"input": "hi", "max_output_tokens": 1000}, 400, "max_output_tokens", "max_context"),
+        (
+            {"input": "hi", "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "frob"}}}},
+            400,
+            "text.format",
+            "text.format",
+        ),
+        ({"input": "hi", "tool_choice": "required"}, 400, "tool_choice", "tools"),
+        ({"input": []}, 400, "input", "no input"),
+        ({"input": "hi", "truncation": "auto"}, 400, "truncation", ""),
+        ({"input": "hi", "background": True}, 400, "background", ""),
+        ({"input": "hi", "previous_response_id": "resp-unknown"}, 404, "previous_response_id", "resp-unknown"),
+        ({"input": "hi", "model": "other"}, 404, "model", "other"),
+        ({"input": "hi"}, 503, None, "unavailable"),  # past every check: the router is not there
+    ],
+)
+def test_bad_response_requests_are_refused_naming_the_parameter(call, body, status, param, words):
+    response = call("POST", "/v1/responses", json={"model": "tiny", **body})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"]
+
+
+def test_unknown_stored_responses_are_404s(call):
+    for method, path in [("GET", "/v1/responses/resp-x"), ("DELETE", "/v1/responses/resp-x"),
+                         ("GET", "/v1/responses/resp-x/input_items")]:  # fmt: skip
+        response = call(method, path)
+        assert response.status_code == 404 and "resp-x" in response.json()["error"]["message"]
