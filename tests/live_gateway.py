@@ -3,6 +3,7 @@ client, and the single-process engine whose tokens the fleet must reproduce."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import subprocess
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -26,6 +28,7 @@ from cascadia.gateway.text import TextCodec
 from cascadia.model.checkpoint import load_stage
 from cascadia.model.config import load_shape
 from cascadia.router.local import free_port
+from cascadia.shard.service import pb, rpc
 from tests.helpers import print_logs
 
 KEYS = ("sk-test-alpha-0123456789", "sk-test-beta-9876543210")
@@ -121,3 +124,44 @@ def solo(tiny, solo_engine):
         return generate(engine, prompt, params, stream="solo", vocabulary=vocabulary).token_ids
 
     return run
+
+
+def shard_open_streams(live) -> list[int]:
+    async def ask():
+        out = []
+        for addr in live.shards:
+            async with grpc.aio.insecure_channel(addr) as channel:
+                out.append((await rpc.ShardStub(channel).Stats(pb.StatsRequest(), timeout=5)).open_streams)
+        return out
+
+    return asyncio.run(ask())
+
+
+def router_stats(live):
+    async def ask():
+        async with grpc.aio.insecure_channel(live.router) as channel:
+            return await rpc.RouterStub(channel).Stats(pb.StatsRequest(), timeout=5)
+
+    return asyncio.run(ask())
+
+
+def router_active(live) -> int:
+    return router_stats(live).active_streams
+
+
+def wait_until_free(live, timeout: float = 15.0) -> None:
+    """No stream running; the stages hold only the finished streams the router keeps."""
+    deadline = time.monotonic() + timeout
+    while True:
+        router, shards = router_stats(live), shard_open_streams(live)
+        if router.active_streams == 0 and shards == [router.kept_streams] * len(shards):
+            return
+        assert time.monotonic() < deadline, f"router {router}, shards {shards}"
+        time.sleep(0.2)
+
+
+def wait_until_active(live, count: int = 1, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while router_active(live) < count:
+        assert time.monotonic() < deadline, f"{count} streams never became active on the router"
+        time.sleep(0.05)

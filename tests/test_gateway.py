@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 
-import grpc
 import httpx
 import numpy as np
 import openai
@@ -24,9 +23,16 @@ from cascadia.gateway.text import TextCodec
 from cascadia.gateway.tools import CALL_CLOSE, CALL_OPEN, markup_grammar, split_calls, tool_calls_schema
 from cascadia.router.local import free_port
 from cascadia.router.scheduler import common_prefix
-from cascadia.shard.service import pb, rpc
 from tests.helpers import next_token_log_probs, with_tokenizer_config
-from tests.live_gateway import KEYS, MODEL
+from tests.live_gateway import (
+    KEYS,
+    MODEL,
+    router_active,
+    router_stats,
+    shard_open_streams,
+    wait_until_active,
+    wait_until_free,
+)
 from tests.test_grammar import SCHEMA, conforms
 
 pytestmark = pytest.mark.slow
@@ -370,7 +376,7 @@ def test_a_conversations_next_turn_takes_over_the_last_turns_state_and_answers_a
     # the first turn's prompt at least (and as much of its answer as the rendered history spells the same)
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert len(before) <= cached < len(prompt) == second.usage.prompt_tokens
-    assert _router_stats(live).reused_positions >= cached
+    assert router_stats(live).reused_positions >= cached
     metrics = httpx.get(live.base + "/metrics").text
     assert float(re.search(r"cascadia_cached_prompt_tokens_total ([0-9.e+]+)", metrics).group(1)) >= cached
 
@@ -394,7 +400,7 @@ def test_users_sharing_a_system_prompt_start_from_a_kept_copy_of_it_and_answer_a
     opening = live.codec.encode(live.codec.render_chat(cue, add_generation_prompt=False), add_bos=False)
     assert cached == [0, cached[1], cached[1]] and 100 < cached[1] <= shared
     assert prompts[0][: cached[1]] == opening[: cached[1]] and shared - cached[1] < 3
-    assert _router_stats(live).shared_prefixes >= 1
+    assert router_stats(live).shared_prefixes >= 1
     metrics = httpx.get(live.base + "/metrics").text
     assert float(re.search(r"cascadia_router_shared_prefixes ([0-9.e+]+)", metrics).group(1)) >= 1
     assert float(re.search(r"cascadia_router_kept_streams ([0-9.e+]+)", metrics).group(1)) >= 3
@@ -685,53 +691,12 @@ def test_bad_json_wrong_shapes_and_auth_failures_are_4xx(live):
     assert not any(k in logs for k in (*KEYS, "sk-wrong-key-123"))
 
 
-def _shard_open_streams(live) -> list[int]:
-    async def ask():
-        out = []
-        for addr in live.shards:
-            async with grpc.aio.insecure_channel(addr) as channel:
-                out.append((await rpc.ShardStub(channel).Stats(pb.StatsRequest(), timeout=5)).open_streams)
-        return out
-
-    return asyncio.run(ask())
-
-
-def _router_stats(live):
-    async def ask():
-        async with grpc.aio.insecure_channel(live.router) as channel:
-            return await rpc.RouterStub(channel).Stats(pb.StatsRequest(), timeout=5)
-
-    return asyncio.run(ask())
-
-
-def _router_active(live) -> int:
-    return _router_stats(live).active_streams
-
-
-def _wait_until_free(live, timeout: float = 15.0) -> None:
-    """No stream running; the stages hold only the finished streams the router keeps."""
-    deadline = time.monotonic() + timeout
-    while True:
-        router, shards = _router_stats(live), _shard_open_streams(live)
-        if router.active_streams == 0 and shards == [router.kept_streams] * len(shards):
-            return
-        assert time.monotonic() < deadline, f"router {router}, shards {shards}"
-        time.sleep(0.2)
-
-
-def _wait_until_active(live, count: int = 1, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while _router_active(live) < count:
-        assert time.monotonic() < deadline, f"{count} streams never became active on the router"
-        time.sleep(0.05)
-
-
 LONG = {"model": MODEL, "prompt": [7, 8], "max_tokens": 600, "temperature": 0}  # runs for seconds
 
 
 @pytest.mark.parametrize(("stream", "n"), [(True, 1), (False, 1), (True, 3), (False, 3)])
 def test_a_client_that_disconnects_frees_its_streams_on_every_stage(live, stream, n):
-    _wait_until_free(live)
+    wait_until_free(live)
     headers = {"Authorization": f"Bearer {KEYS[0]}"}
     body = {**LONG, "n": n}
     with httpx.Client(timeout=30) as client:
@@ -741,20 +706,20 @@ def test_a_client_that_disconnects_frees_its_streams_on_every_stage(live, stream
                 lines = response.iter_lines()  # kept: dropping the iterator closes the connection
                 first = next(lines)
                 assert first.startswith('data: {"id"'), first
-                _wait_until_active(live, n)
-                kept = _router_stats(live).kept_streams
+                wait_until_active(live, n)
+                kept = router_stats(live).kept_streams
                 deadline = time.monotonic() + 15  # the opens travel down the pipeline with the first frames
-                while _shard_open_streams(live) != [n + kept] * 2:
-                    assert time.monotonic() < deadline, _shard_open_streams(live)
+                while shard_open_streams(live) != [n + kept] * 2:
+                    assert time.monotonic() < deadline, shard_open_streams(live)
                     time.sleep(0.05)
-                assert _router_active(live) == n
+                assert router_active(live) == n
         else:
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 call = pool.submit(client.post, live.base + "/v1/completions", json=body, headers=headers, timeout=2.0)
-                _wait_until_active(live, n)
+                wait_until_active(live, n)
                 with pytest.raises(httpx.ReadTimeout):
                     call.result()
-    _wait_until_free(live, timeout=5.0)  # well before the 600 tokens would have been generated
+    wait_until_free(live, timeout=5.0)  # well before the 600 tokens would have been generated
     metrics = httpx.get(live.base + "/metrics").text
     assert re.search(r'cascadia_errors_total\{kind="client_disconnected"\} [1-9]', metrics)
 
@@ -793,12 +758,12 @@ def test_health_and_readiness_follow_the_router(live, gateway_process):
 
 def test_concurrent_requests_per_key_are_limited(live, gateway_process):
     base, _ = gateway_process("--max-concurrent-per-key", "1", keys=True)
-    _wait_until_free(live)
+    wait_until_free(live)
     headers = [{"Authorization": f"Bearer {k}"} for k in KEYS]
     short = {"model": MODEL, "prompt": [7, 8], "max_tokens": 2}
     with httpx.Client(timeout=60) as client, concurrent.futures.ThreadPoolExecutor(1) as pool:
         running = pool.submit(client.post, base + "/v1/completions", json=LONG, headers=headers[0])
-        _wait_until_active(live)
+        wait_until_active(live)
         refused = client.post(base + "/v1/completions", json=short, headers=headers[0])
         assert refused.status_code == 429
         assert "max_concurrent_requests_per_key" in refused.json()["error"]["message"]
@@ -821,11 +786,14 @@ def test_schemathesis_finds_no_server_errors_and_responses_conform(live, gateway
     command = [
         sys.executable, "-m", "schemathesis.cli", "run", base + "/openapi.json",
         "--checks", "all", "--exclude-checks", "positive_data_acceptance",
-        "--max-examples", "25", "--workers", "2", "--seed", "1", "--no-color",
+        "--max-examples", "25", "--workers", "1", "--seed", "1", "--no-color",
     ]  # fmt: skip
+    # one worker: hypothesis describes the filters of query parameters' wrong-type values from their source,
+    # and that cache is not thread-safe (with two workers schemathesis itself crashed in KeyError and a
+    # SystemError from ast.parse, while every case it had run passed)
     result = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    _wait_until_free(live)
+    wait_until_free(live)
 
 
 def test_the_gateway_rides_out_a_router_restart(tiny, tmp_path):

@@ -76,7 +76,9 @@ def test_text_input_is_one_user_message_and_the_chat_request_carries_every_setti
         tool_choice={"type": "function", "name": "get_weather"},
         parallel_tool_calls=False,
     )
-    assert input_items(body) == [{"type": "message", "role": "user", "content": "Hi"}]
+    [item] = input_items(body)
+    assert item["id"].startswith("msg_") and item["status"] == "completed"
+    assert (item["type"], item["role"], item["content"]) == ("message", "user", [{"type": "input_text", "text": "Hi"}])
     chat = chat_request(body, input_items(body))
     assert (chat.max_tokens, chat.temperature, chat.top_p, chat.seed) == (7, 0.5, 0.9, 3)
     assert chat.logprobs is True and chat.top_logprobs == 2
@@ -282,3 +284,10 @@ def test_unknown_stored_responses_are_404s(call):
                          ("GET", "/v1/responses/resp-x/input_items")]:  # fmt: skip
         response = call(method, path)
         assert response.status_code == 404 and "resp-x" in response.json()["error"]["message"]
+
+
+def test_a_method_a_path_does_not_serve_names_every_method_it_does(call):
+    response = call("PUT", "/v1/responses/resp-x")
+    assert response.status_code == 405 and response.headers["allow"] == "DELETE, GET"
+    response = call("GET", "/v1/responses/resp-x/input_items", params={"order": "sideways"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "query.order"

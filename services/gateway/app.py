@@ -512,6 +512,16 @@ def _describe_limits(schema: dict[str, Any], config: GatewayConfig) -> None:
     bound_token_ids(components["CompletionRequest"]["properties"]["prompt"])
 
 
+def _allowed_methods(app: FastAPI, path: str) -> list[str]:
+    """Every method some route serves at `path` (one path may have a route per method)."""
+    methods: set[str] = set()
+    for route in app.routes:
+        pattern, served = getattr(route, "path_regex", None), getattr(route, "methods", None)
+        if pattern is not None and served and pattern.match(path):
+            methods |= served
+    return sorted(methods)
+
+
 def _vocabulary(codec: TextCodec, config: GatewayConfig) -> GrammarVocabulary | None:
     try:
         return GrammarVocabulary(codec.tokenizer.to_str(), config.vocab_size)
@@ -563,7 +573,9 @@ def create_app(
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         response = await api_error(request, ApiError(exc.status_code, str(exc.detail)))
-        response.headers.update(exc.headers or {})  # e.g. Allow on 405
+        response.headers.update(exc.headers or {})
+        if exc.status_code == 405:  # Starlette names the first matching route's methods only
+            response.headers["Allow"] = ", ".join(_allowed_methods(app, request.url.path))
         return response
 
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)

@@ -61,12 +61,23 @@ def refuse_unsupported(body: ResponseRequest) -> None:
 
 
 def input_items(body: ResponseRequest) -> list[dict[str, Any]]:
-    """The request's input as items (text is one user message), as stored and listed."""
-    if body.input is None:
-        return []
-    if isinstance(body.input, str):
-        return [{"type": "message", "role": "user", "content": body.input}]
-    return [item.model_dump(exclude_none=True) for item in body.input]
+    """The request's input as the items OpenAI lists: text is one user message, a message's text a part of
+    its content, and every item has an id."""
+    given = body.input if body.input is not None else []
+    items = [{"type": "message", "role": "user", "content": given}] if isinstance(given, str) else given
+    return [_listed(item if isinstance(item, dict) else item.model_dump(exclude_none=True)) for item in items]
+
+
+def _listed(item: dict[str, Any]) -> dict[str, Any]:
+    kind = item.get("type", "message")
+    prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}[kind]
+    out = {"id": item_id(prefix), **item, "type": kind}
+    if kind == "message" and isinstance(item["content"], str):
+        part = "output_text" if item["role"] == "assistant" else "input_text"
+        out["content"] = [{"type": part, "text": item["content"]}]
+    if kind == "message":
+        out.setdefault("status", "completed")
+    return out
 
 
 def _text(content: str | list[dict[str, Any]]) -> str:

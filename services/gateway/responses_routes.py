@@ -182,7 +182,9 @@ def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) ->
         return DeletedResponse(id=response_id)
 
     @app.get(
-        "/v1/responses/{response_id}/input_items", response_model=InputItemList, responses=error_responses(401, 404, 503)
+        "/v1/responses/{response_id}/input_items",
+        response_model=InputItemList,
+        responses=error_responses(400, 401, 404, 503),
     )
     async def list_input_items(
         response_id: str,
@@ -195,8 +197,7 @@ def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) ->
             stored = await store.get(response_id, key)
         if stored is None:
             raise _not_found(response_id)
-        # items a client gave without ids are listed under their place in the input
-        items = [{**item, "id": item.get("id") or f"{response_id}-item-{i}"} for i, item in enumerate(stored.input)]
+        items = list(stored.input)
         if order == "desc":
             items.reverse()
         if after is not None:

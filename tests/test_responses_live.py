@@ -1,0 +1,192 @@
+"""The Responses API over a live local fleet (`cascadia up`, 2 shard processes), through the real openai client:
+the engine's tokens, the stream's events, conversations continued from stored responses (in memory and in a
+Redis that two gateways share), function calls, and a client that goes away."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.live_gateway import KEYS, MODEL, router_stats, wait_until_active, wait_until_free
+
+pytestmark = pytest.mark.slow
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOL = {"type": "function", "name": "get_weather", "description": "Weather now", "parameters": WEATHER}
+CHAT_TOOL = {"type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}
+BRIEF = "Answer in a few words."
+
+
+def test_a_response_is_the_engines_greedy_answer_streamed_or_not(live, solo):
+    client = live.client()
+    asked = {"instructions": BRIEF, "input": "What is a shard?", "max_output_tokens": 12, "temperature": 0}
+    prompt = live.codec.encode_chat(
+        [{"role": "system", "content": BRIEF}, {"role": "user", "content": "What is a shard?"}]
+    )
+    ids = solo(prompt, 12)
+    whole = client.responses.create(model=MODEL, **asked)
+    assert whole.output_text == live.codec.decode(ids)
+    assert (whole.usage.input_tokens, whole.usage.output_tokens) == (len(prompt), len(ids))
+    ended = ids[-1] in live.codec.stop_token_ids
+    assert whole.status == ("completed" if ended else "incomplete")
+    assert (whole.incomplete_details is None) == ended
+    assert [item.type for item in whole.output] == ["message"] and whole.output[0].role == "assistant"
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": BRIEF}, {"role": "user", "content": "What is a shard?"}],
+        max_tokens=12, temperature=0,
+    )  # fmt: skip
+    assert chat.choices[0].message.content == whole.output_text
+
+    events = list(client.responses.create(model=MODEL, stream=True, **asked))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+    ]  # fmt: skip
+    assert kinds[-4:] == [
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.completed" if ended else "response.incomplete",
+    ]  # fmt: skip
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert events[-1].response.output_text == whole.output_text and events[-1].response.status == whole.status
+    assert client.responses.retrieve(events[-1].response.id).output_text == whole.output_text
+
+
+def test_the_stream_helper_gathers_a_completed_response(live):
+    client = live.client()
+    asked = {
+        "input": "Say yes.",
+        "max_output_tokens": 200,
+        "temperature": 0,
+        "text": {"format": {"type": "json_object"}},
+    }
+    with client.responses.stream(model=MODEL, **asked) as stream:
+        final = stream.get_final_response()
+    assert final.status == "completed" and isinstance(json.loads(final.output_text), dict)
+
+
+def test_previous_response_id_continues_the_conversation_on_the_last_turns_state(live, solo):
+    client = live.client()
+    first = client.responses.create(
+        model=MODEL, instructions=BRIEF, input="Say something about the sea.", max_output_tokens=10, temperature=0
+    )
+    second = client.responses.create(
+        model=MODEL, instructions=BRIEF, input="And about the sky?", previous_response_id=first.id,
+        max_output_tokens=10, temperature=0,
+    )  # fmt: skip
+    history = [
+        {"role": "system", "content": BRIEF},
+        {"role": "user", "content": "Say something about the sea."},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And about the sky?"},
+    ]
+    prompt, before = live.codec.encode_chat(history), live.codec.encode_chat(history[:2])
+    assert second.output_text == live.codec.decode(solo(prompt, 10))
+    assert second.usage.input_tokens == len(prompt)
+    # the first turn's state is taken over: its prompt at least is not computed again
+    assert len(before) <= second.usage.input_tokens_details.cached_tokens < len(prompt)
+    assert second.previous_response_id == first.id
+
+    stored = client.responses.retrieve(second.id)
+    assert stored.output_text == second.output_text and stored.usage == second.usage
+    items = client.responses.input_items.list(second.id)
+    assert [(i.type, i.role, i.content[0].text) for i in items.data] == [("message", "user", "And about the sky?")]
+    other = live.client(KEYS[1])
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(second.id)  # a response belongs to the key that made it
+    with pytest.raises(openai.NotFoundError):
+        other.responses.create(model=MODEL, input="Go on.", previous_response_id=second.id, max_output_tokens=2)
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError, match=first.id):  # the turn before is gone
+        client.responses.create(model=MODEL, input="Go on.", previous_response_id=second.id, max_output_tokens=2)
+    unstored = client.responses.create(model=MODEL, input="Hi", store=False, max_output_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_function_calls_come_as_items_and_their_outputs_continue_the_conversation_as_chat_does(live):
+    client = live.client()
+    question = "What is the weather in Oslo?"
+    asked = {"tool_choice": "required", "parallel_tool_calls": False, "max_output_tokens": 150, "temperature": 0}
+    response = client.responses.create(model=MODEL, input=question, tools=[TOOL], **asked)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": question}], tools=[CHAT_TOOL],
+        tool_choice="required", parallel_tool_calls=False, max_tokens=150, temperature=0,
+    )  # fmt: skip
+    expected = [(c.function.name, json.loads(c.function.arguments)) for c in chat.choices[0].message.tool_calls or ()]
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == expected
+    if not calls:  # the random model ran to max_output_tokens inside its call: the text as written
+        assert response.status == "incomplete"
+        return
+    call = calls[0]
+    assert call.call_id.startswith("call_") and call.status == "completed"
+    assert call.name == "get_weather" and set(json.loads(call.arguments)) == {"city", "unit"}
+
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "-3 C, snow"}
+    answer = client.responses.create(
+        model=MODEL, previous_response_id=response.id, input=[result], tools=[TOOL], max_output_tokens=12, temperature=0
+    )
+    chat_history = [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}},
+        ]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "-3 C, snow"},
+    ]  # fmt: skip
+    chat_answer = client.chat.completions.create(
+        model=MODEL, messages=chat_history, tools=[CHAT_TOOL], max_tokens=12, temperature=0
+    )
+    message = chat_answer.choices[0].message
+    assert answer.output_text == (message.content or "")
+    assert answer.usage.input_tokens == chat_answer.usage.prompt_tokens
+
+
+def test_two_gateways_sharing_a_redis_continue_each_others_conversations(live, gateway_process, redis_server):
+    url, _ = redis_server
+    first_base, _ = gateway_process("--redis", url, keys=True)
+    second_base, _ = gateway_process("--redis", url, keys=True)
+    first = openai.OpenAI(base_url=first_base + "/v1", api_key=KEYS[0], max_retries=0, timeout=60)
+    second = openai.OpenAI(base_url=second_base + "/v1", api_key=KEYS[0], max_retries=0, timeout=60)
+    opened = first.responses.create(
+        model=MODEL, instructions=BRIEF, input="Name a sea.", max_output_tokens=8, temperature=0
+    )
+    assert second.responses.retrieve(opened.id).output_text == opened.output_text
+    went_on = second.responses.create(
+        model=MODEL, instructions=BRIEF, input="And a river?", previous_response_id=opened.id,
+        max_output_tokens=8, temperature=0,
+    )  # fmt: skip
+    assert went_on.usage.input_tokens_details.cached_tokens > 0
+    assert first.responses.retrieve(went_on.id).previous_response_id == opened.id
+
+
+def test_a_client_that_leaves_a_streamed_response_frees_its_stream(live):
+    wait_until_free(live)
+    body = {"model": MODEL, "input": [{"role": "user", "content": "Go on and on."}], "stream": True}
+    body |= {"max_output_tokens": 600, "temperature": 0}
+    headers = {"Authorization": f"Bearer {KEYS[0]}"}
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream("POST", live.base + "/v1/responses", json=body, headers=headers) as response,
+    ):
+        lines = response.iter_lines()  # kept: dropping the iterator closes the connection
+        assert next(lines) == "event: response.created"
+        wait_until_active(live, 1)
+    wait_until_free(live, timeout=5.0)  # well before 600 tokens
+    deadline = time.monotonic() + 5
+    while not re.search(
+        r'cascadia_errors_total\{kind="client_disconnected"\} [1-9]', httpx.get(live.base + "/metrics").text
+    ):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert router_stats(live).active_streams == 0
