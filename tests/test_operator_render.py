@@ -178,6 +178,30 @@ def test_draft_service_is_rendered_and_the_router_drafts_through_it():
     assert "--max-draft" not in router["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
+def test_gateways_keep_stored_responses_in_the_fleets_redis():
+    _, children = rendered()
+    by_name = {(c["kind"], c["metadata"]["name"]): c for c in children}
+    gateway = by_name[("Deployment", "inkling-gateway")]["spec"]["template"]["spec"]["containers"][0]
+    assert gateway["args"][gateway["args"].index("--redis") + 1] == "redis://inkling-redis.serving.svc:6379/0"
+    assert "env" not in gateway  # the managed Redis has no password
+    policy = by_name[("NetworkPolicy", "inkling-redis")]["spec"]["ingress"][0]
+    admitted = sorted(p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in policy["from"])
+    assert admitted == ["draft", "gateway", "router"]
+    spec = example_spec()
+    spec["redis"] = {
+        "managed": False,
+        "url": "rediss://cache.example:6380/0",
+        "passwordSecret": {"name": "r", "key": "p"},
+    }
+    _, children = rendered(spec)
+    gateway = next(c for c in children if c["metadata"]["name"] == "inkling-gateway" and c["kind"] == "Deployment")
+    container = gateway["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][container["args"].index("--redis") + 1] == "rediss://cache.example:6380/0"
+    assert container["env"] == [
+        {"name": "CASCADIA_REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": "r", "key": "p"}}}
+    ]
+
+
 def test_network_policies_let_only_the_router_and_previous_stage_reach_shards():
     _, children = rendered()
     policies = {c["metadata"]["name"]: c["spec"] for c in children if c["kind"] == "NetworkPolicy"}
