@@ -71,3 +71,15 @@ def test_the_openapi_schema_names_the_model_and_bounds_token_ids(call):
     request = schema["components"]["schemas"]["CompletionRequest"]["properties"]
     assert request["model"]["enum"] == ["tiny"]
     assert '"maximum": 499' in str(request["prompt"]).replace("'", '"')
+
+
+def test_a_chat_part_a_text_model_cannot_read_is_refused_by_name(call):
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    question = {"type": "text", "text": "What is it?"}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": [question, image]}]}
+    response = call("POST", "/v1/chat/completions", json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "messages[0].content[1]" and "'image_url'" in error["message"]
+    body["messages"][0]["content"] = [question]
+    assert call("POST", "/v1/chat/completions", json=body).status_code == 503  # text alone reaches the router

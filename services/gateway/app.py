@@ -56,6 +56,7 @@ from cascadia.gateway.schemas import (
     ModelList,
     SamplingFields,
     StreamOptions,
+    Unsupported,
     error_responses,
 )
 from cascadia.gateway.text import TemplateFailed, TextCodec
@@ -370,6 +371,13 @@ class Gateway:
         self.check_model(body.model)
         if body.top_logprobs and not body.logprobs:
             raise bad_request("'top_logprobs' needs 'logprobs' set to true.", "top_logprobs")
+        for i, message in enumerate(body.messages):
+            for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+                if isinstance(part, Unsupported):
+                    raise bad_request(
+                        f"Content parts of type '{part.type}' are not supported: this model reads text.",
+                        f"messages[{i}].content[{j}]",
+                    )
         tools_answer = self.tool_grammar(body)
         messages = [_template_message(m) for m in body.messages]
         tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]

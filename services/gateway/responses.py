@@ -24,9 +24,8 @@ from cascadia.gateway.responses_schemas import (
     ResponseRequest,
     TextFormatJsonObject,
     TextFormatJsonSchema,
-    Unsupported,
 )
-from cascadia.gateway.schemas import ChatCompletionRequest
+from cascadia.gateway.schemas import ChatCompletionRequest, Unsupported
 
 # chat parameter -> the Responses parameter a client gave it as
 RESPONSE_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}

@@ -7,9 +7,9 @@ list of every shape it failed to match.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, Field
 
 from cascadia.gateway.schemas import (
     MAX_SEED,
@@ -19,40 +19,12 @@ from cascadia.gateway.schemas import (
     Strict,
     TokenLogprob,
     ToolName,
+    tagged,
 )
 
 MAX_METADATA_PAIRS = 16  # OpenAI's own bounds
 MAX_INPUT_ITEMS = 4096
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-
-
-class Unsupported(BaseModel):
-    """An item, part or tool of a kind this gateway does not serve; refused by name after parsing."""
-
-    model_config = ConfigDict(extra="allow")
-    type: str
-
-
-def _kind(default: str | None):
-    """The `type` of an item as parsed or as given (`default` where an item may leave it out)."""
-
-    def read(value: Any) -> str | None:
-        kind = value.get("type", default) if isinstance(value, dict) else getattr(value, "type", default)
-        return kind if isinstance(kind, str) else None
-
-    return read
-
-
-def _tagged(known: dict[str, type[BaseModel]], default: str | None = None) -> Any:
-    """A union over `known` by `type`, any other kind parsing as `Unsupported`."""
-
-    def tag(value: Any) -> str:
-        kind = _kind(default)(value)
-        return kind if kind in known else "unsupported"
-
-    members = [Annotated[model, Tag(kind)] for kind, model in known.items()]
-    members.append(Annotated[Unsupported, Tag("unsupported")])
-    return Annotated[Union[tuple(members)], Discriminator(tag)]  # noqa: UP007 (built from a list)
 
 
 class InputText(Strict):
@@ -74,7 +46,7 @@ class RefusalPart(Strict):
     refusal: str
 
 
-ContentPart = _tagged({"input_text": InputText, "output_text": OutputTextPart, "refusal": RefusalPart})
+ContentPart = tagged({"input_text": InputText, "output_text": OutputTextPart, "refusal": RefusalPart})
 
 
 class MessageItem(Strict):
@@ -109,7 +81,7 @@ class FunctionCallOutputItem(Strict):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
-InputItem = _tagged(
+InputItem = tagged(
     {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem},
     default="message",
 )
@@ -123,7 +95,7 @@ class FunctionTool(Strict):
     strict: bool | None = Field(None, description="Calls are always held to the parameters' schema.")
 
 
-ResponseTool = _tagged({"function": FunctionTool})
+ResponseTool = tagged({"function": FunctionTool})
 
 
 class FunctionToolChoice(Strict):

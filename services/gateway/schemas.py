@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 MAX_STOP_STRINGS = 4
 MAX_SEED = 2**63 - 1
@@ -19,6 +19,35 @@ class Strict(BaseModel):
     # Like OpenAI: an argument the server does not know is an error, not silently dropped; and no
     # coercion (a float token id or the string "5" for max_tokens is a client bug, not a request).
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class Unsupported(BaseModel):
+    """An item, part or tool of a kind this gateway does not serve; refused by name after parsing."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+def _kind(default: str | None):
+    """The `type` of an item as parsed or as given (`default` where an item may leave it out)."""
+
+    def read(value: Any) -> str | None:
+        kind = value.get("type", default) if isinstance(value, dict) else getattr(value, "type", default)
+        return kind if isinstance(kind, str) else None
+
+    return read
+
+
+def tagged(known: dict[str, type[BaseModel]], default: str | None = None) -> Any:
+    """A union over `known` by `type`, any other kind parsing as `Unsupported`."""
+
+    def tag(value: Any) -> str:
+        kind = _kind(default)(value)
+        return kind if kind in known else "unsupported"
+
+    members = [Annotated[model, Tag(kind)] for kind, model in known.items()]
+    members.append(Annotated[Unsupported, Tag("unsupported")])
+    return Annotated[Union[tuple(members)], Discriminator(tag)]  # noqa: UP007 (built from a list)
 
 
 class StreamOptions(Strict):
@@ -145,6 +174,9 @@ class TextPart(Strict):
     text: str
 
 
+ChatContentPart = tagged({"text": TextPart})
+
+
 ToolName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 
 
@@ -161,7 +193,7 @@ class ToolCall(Strict):
 
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | Annotated[list[TextPart], Field(min_length=1)] | None = None
+    content: str | Annotated[list[ChatContentPart], Field(min_length=1)] | None = None
     name: str | None = None
     tool_calls: Annotated[list[ToolCall], Field(min_length=1)] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # the call a tool message answers
@@ -179,7 +211,7 @@ class ChatMessage(Strict):
     def text(self) -> str:
         if self.content is None:
             return ""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else "".join(getattr(p, "text", "") for p in self.content)
 
 
 class FunctionDefinition(Strict):
