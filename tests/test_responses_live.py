@@ -190,3 +190,19 @@ def test_a_client_that_leaves_a_streamed_response_frees_its_stream(live):
         assert time.monotonic() < deadline
         time.sleep(0.1)
     assert router_stats(live).active_streams == 0
+
+
+def test_a_store_that_does_not_answer_still_gets_the_answer_and_reads_get_a_503(live, gateway_process):
+    from cascadia.router.local import free_port
+
+    base, log = gateway_process("--redis", f"redis://127.0.0.1:{free_port()}/0", keys=True)
+    client = openai.OpenAI(base_url=base + "/v1", api_key=KEYS[0], max_retries=0, timeout=60)
+    response = client.responses.create(model=MODEL, input="Hi", max_output_tokens=4, temperature=0)
+    assert response.output and response.usage.output_tokens >= 1  # answered, though not stored
+    with pytest.raises(openai.InternalServerError) as refused:
+        client.responses.retrieve(response.id)
+    assert refused.value.status_code == 503 and "unavailable" in str(refused.value)
+    with pytest.raises(openai.InternalServerError):
+        client.responses.create(model=MODEL, input="Go on.", previous_response_id=response.id, max_output_tokens=2)
+    assert re.search(r'cascadia_errors_total\{kind="store_unavailable"\} [1-9]', httpx.get(base + "/metrics").text)
+    assert "was not stored" in log.read_text()

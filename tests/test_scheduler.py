@@ -567,6 +567,29 @@ def test_shared_prefixes_count_as_kept_streams_and_the_one_last_copied_gives_way
         SchedulerConfig(stages=1, min_shared_prefix=-1)
 
 
+def test_copies_nobody_started_from_give_way_before_conversations():
+    from cascadia.router.scheduler import Kept, next_to_give_way
+
+    conversation, told, shared = Kept((1, 2), 2, prompt=2), Kept((3,), 1, prefix=True), Kept((4,), 1, prefix=True)
+    assert next_to_give_way({"c": conversation, "p": told}) == "p"  # though "c" is older
+    assert next_to_give_way({"c": conversation, "q": replace(shared, copies=1)}) == "c"  # used: by its age
+    assert next_to_give_way({"q": replace(shared, copies=1), "p": told, "c": conversation}) == "p"
+    # a service whose system prompt differs per request: each first request leaves a copy nobody starts from
+    s = Scheduler(SchedulerConfig(stages=1, rows_per_group=16, prefill_window=8, keep_finished=3, min_shared_prefix=8))
+    s.set_chain_ready(True)
+    s.rewind_slack = 4
+    _run_prompt(s, "chat", tuple(range(300, 330)))  # a conversation, its next turn to come
+    for user in range(2):
+        system = tuple(range(100 + 40 * user, 120 + 40 * user))
+        prompt = (*system, *range(50, 60))  # fed 10 past its system prompt: too far to step back to it
+        _run_request(s, Request(f"u{user}", prompt, SamplingParams(max_tokens=1), shared_prefix=20))
+    # oldest first they would have been chat, prefix-1 and prefix-2: the unused copies went first
+    assert [name for name in ("chat", "u0", "u1") if s.kept(name)] == ["chat", "u0", "u1"]
+    assert s.take_dropped() == ["prefix-1", "prefix-2"] and s.shared_prefixes == 0
+    frames = _run_prompt(s, "chat2", (*range(300, 330), 1, 5))  # the next turn takes the conversation over
+    assert frames[0].rows[0].resume_from == "chat"
+
+
 def test_a_prompt_that_parts_from_a_finished_streams_prompt_starts_as_a_copy_and_leaves_it_for_its_next_turn():
     s = Scheduler(SchedulerConfig(stages=1, rows_per_group=16, prefill_window=16, min_shared_prefix=8))
     s.set_chain_ready(True)

@@ -13,7 +13,7 @@ past the accepted ones are rewound on every stage by the stream's next frame.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -254,6 +254,19 @@ class Kept:
     # its request's prompt tokens: a prompt holding all of them continues it (a next turn, the same
     # question again) and takes it over; one that parts sooner (another user) starts as a copy of it
     prompt: int = 0
+    copies: int = 0  # streams that started as copies of it
+
+
+def next_to_give_way(kept: Mapping[RequestId, Kept]) -> RequestId:
+    """The kept stream that gives way when a place is wanted (`kept` least recently used first): the
+    oldest shared prefix no stream has started from yet, else the oldest of all.
+
+    A prefix's copy is left on a guess (a prompt said others would start alike, or two prompts did); a
+    finished stream is a conversation whose next turn may come. Where system prompts differ from request
+    to request (a user's name or the date in them), copies nobody starts from would otherwise push the
+    conversations out; a prefix that is shared is started from, and from then on gives way by its use.
+    """
+    return next((name for name, held in kept.items() if held.prefix and not held.copies), next(iter(kept)))
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -600,7 +613,7 @@ class Scheduler:
         tokens = (request.prompt + tuple(stream.generated))[:fed]
         self._kept[request.id] = Kept(tokens, stream.reached, stream.mtp, prompt=len(request.prompt))
         while len(self._kept) > self.config.keep_finished:
-            self._drop_oldest()
+            self._give_way()
 
     def _kept_prefix(self, name: RequestId) -> None:
         """A shared prefix's copy is there: keep it, within keep_finished (unless given up on the way)."""
@@ -609,7 +622,7 @@ class Scheduler:
             return
         self._kept[name] = held
         while len(self._kept) > self.config.keep_finished:
-            self._drop_oldest()
+            self._give_way()
 
     def _prefix_name(self) -> RequestId:
         while True:
@@ -618,10 +631,10 @@ class Scheduler:
             if name not in self._active and name not in self._kept and all(r.id != name for r in self._queue):
                 return name
 
-    def _drop_oldest(self) -> None:
-        oldest = next(iter(self._kept))
-        del self._kept[oldest]
-        self._dropped.append(oldest)
+    def _give_way(self) -> None:
+        name = next_to_give_way(self._kept)
+        del self._kept[name]
+        self._dropped.append(name)
 
     # -- drafts -----------------------------------------------------------------------------------
 
@@ -697,12 +710,17 @@ class Scheduler:
             else:
                 if copied is not None:  # opens once the source has been fed that far
                     stream.copy_of, stream.position = copied
-                    if copied[0] in self._kept:  # the kept stream last copied gives way last
-                        self._kept[copied[0]] = self._kept.pop(copied[0])
+                    source = copied[0]
+                    if source in self._kept:  # the kept stream last copied gives way last
+                        held = self._kept.pop(source)
+                        self._kept[source] = replace(held, copies=held.copies + 1)
+                    elif source in self._sharing:
+                        held = self._sharing[source]
+                        self._sharing[source] = replace(held, copies=held.copies + 1)
                 if len(self._active) + len(self._sharing) >= self.config.max_streams:
                     return  # giving kept streams up would not make room
                 while self._kept and self._held_streams() >= self.config.max_streams:
-                    self._drop_oldest()
+                    self._give_way()
             self._queue.popleft()
             self._active[request.id] = stream
             if self._shares_prefixes(request):
@@ -847,7 +865,7 @@ class Scheduler:
             if stream.reached - (end - 1) > self.rewind_slack - stream.mtp:  # the MTP head's depths: one more
                 continue
             while self._kept and self._held_streams() >= self.config.max_streams:
-                self._drop_oldest()
+                self._give_way()
             if self._held_streams() >= self.config.max_streams:
                 continue
             name, prompt = self._prefix_name(), stream.request.prompt
