@@ -76,7 +76,7 @@ def _started(body: ResponseRequest, prepared: PreparedChat, model: str, keep: bo
         temperature=body.temperature,
         top_p=body.top_p,
         top_logprobs=body.top_logprobs,
-        tools=[tool for tool in body.tools or ()],
+        tools=list(body.tools or ()),
         tool_choice=body.tool_choice or "auto",
         parallel_tool_calls=body.parallel_tool_calls is not False,
         text={"format": shape.model_dump(by_alias=True, exclude_none=True) if shape else {"type": "text"}},
