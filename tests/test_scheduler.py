@@ -674,3 +674,28 @@ def test_stages_that_hold_every_row_keep_no_copies_since_each_stream_serves_its_
     sent += _run_prompt(s, "c", (*system, 7, 8))
     assert not any(r.prefix for f in sent for r in f.rows) and s.shared_prefixes == 0
     assert s.reused_positions == 40 and s.kept_streams == 3
+
+
+def test_users_with_their_own_system_prompts_keep_their_conversations_between_turns():
+    """Six users, each with a system prompt of their own (told, as the gateway tells it), take turns for five
+    rounds with 8 kept places: each first turn leaves a copy of its instructions nobody starts from, and
+    every later turn still takes its conversation over (least recently used first, none would)."""
+    s = Scheduler(SchedulerConfig(stages=1, rows_per_group=64, prefill_window=64, keep_finished=8))
+    s.set_chain_ready(True)
+    s.rewind_slack = 32
+    history: dict[int, tuple[int, ...]] = {}
+    taken_over = []
+    for turn in range(5):
+        for user in range(6):
+            question = tuple(range(5000 + 50 * turn + user, 5020 + 50 * turn + user))
+            prompt = (*history.get(user, tuple(range(1000 + 100 * user, 1060 + 100 * user))), *question)
+            request = Request(f"u{user}t{turn}", prompt, SamplingParams(max_tokens=40), shared_prefix=60)
+            s.submit(request)
+            answer: list[int] = []
+            while s.active or s.queued:
+                (frame,) = s.next_frames()
+                taken_over += [bool(r.resume_from) for r in frame.rows if r.opens and r.stream == request.id]
+                done = s.on_frame_done(frame.id, {r.stream: 7 + len(answer) % 5 for r in frame.rows if r.wants_token})
+                answer += [e.token for e in done if e.stream == request.id]
+            history[user] = prompt + tuple(answer)
+    assert taken_over == [False] * 6 + [True] * 24
