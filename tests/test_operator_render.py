@@ -157,19 +157,6 @@ def test_draft_service_is_rendered_and_the_router_drafts_through_it():
     assert router[router.index("--draft") + 1] == "inkling-draft.serving.svc:7100"
     policy = by_name[("NetworkPolicy", "inkling-draft")]["spec"]["ingress"][0]
     assert [p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in policy["from"]] == ["router"]
-    # an external Redis: its password reaches the draft service from the Secret, never the arguments
-    spec["redis"] = {
-        "managed": False,
-        "url": "rediss://cache.example:6380/0",
-        "passwordSecret": {"name": "r", "key": "p"},
-    }
-    _, children = rendered(spec)
-    draft = next(c for c in children if c["metadata"]["name"] == "inkling-draft" and c["kind"] == "Deployment")
-    container = draft["spec"]["template"]["spec"]["containers"][0]
-    assert "rediss://cache.example:6380/0" in container["args"]
-    assert container["env"] == [
-        {"name": "CASCADIA_REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": "r", "key": "p"}}}
-    ]
     # without the draft service the router never drafts
     spec = example_spec()
     spec["draft"] = {"enabled": False}
@@ -187,19 +174,18 @@ def test_gateways_keep_stored_responses_in_the_fleets_redis():
     policy = by_name[("NetworkPolicy", "inkling-redis")]["spec"]["ingress"][0]
     admitted = sorted(p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in policy["from"])
     assert admitted == ["draft", "gateway", "router"]
+    # an external Redis: its password reaches the draft service and the gateways from the Secret, never
+    # their arguments
     spec = example_spec()
-    spec["redis"] = {
-        "managed": False,
-        "url": "rediss://cache.example:6380/0",
-        "passwordSecret": {"name": "r", "key": "p"},
-    }
+    spec["draft"] = {"enabled": True}
+    secret = {"name": "r", "key": "p"}
+    spec["redis"] = {"managed": False, "url": "rediss://cache.example:6380/0", "passwordSecret": secret}
     _, children = rendered(spec)
-    gateway = next(c for c in children if c["metadata"]["name"] == "inkling-gateway" and c["kind"] == "Deployment")
-    container = gateway["spec"]["template"]["spec"]["containers"][0]
-    assert container["args"][container["args"].index("--redis") + 1] == "rediss://cache.example:6380/0"
-    assert container["env"] == [
-        {"name": "CASCADIA_REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": "r", "key": "p"}}}
-    ]
+    for name in ("inkling-draft", "inkling-gateway"):
+        deployment = next(c for c in children if c["metadata"]["name"] == name and c["kind"] == "Deployment")
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        assert container["args"][container["args"].index("--redis") + 1] == "rediss://cache.example:6380/0"
+        assert container["env"] == [{"name": "CASCADIA_REDIS_PASSWORD", "valueFrom": {"secretKeyRef": secret}}]
 
 
 def test_network_policies_let_only_the_router_and_previous_stage_reach_shards():
