@@ -20,7 +20,7 @@ from cascadia.gateway.response_store import (
     StoreUnavailable,
     conversation,
 )
-from cascadia.gateway.responses import OutputBuilder, chat_messages, chat_request, input_items
+from cascadia.gateway.responses import OutputBuilder, chat_messages, chat_request, input_items, turn_starts
 from cascadia.gateway.responses_schemas import ResponseRequest
 from cascadia.gateway.router_client import RouterClient
 from cascadia.gateway.text import TextCodec
@@ -90,6 +90,20 @@ def test_text_input_is_one_user_message_and_the_chat_request_carries_every_setti
         shaped = chat_request(body, input_items(body)).response_format
         assert shaped.type == shape["type"]
         assert shape["type"] == "json_object" or shaped.json_schema.json_schema == schema
+
+
+def test_a_conversation_may_be_cut_only_where_a_user_turn_starts():
+    items = [
+        {"type": "message", "role": "user", "content": "a"},
+        {"type": "message", "role": "assistant", "content": "b"},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": "d"},
+        {"role": "user", "content": "e"},
+        {"type": "message", "role": "developer", "content": "f"},
+        {"type": "message", "role": "user", "content": "g"},
+    ]
+    assert turn_starts(items) == [0, 4, 6]
+    assert turn_starts(items[1:4]) == [0]
 
 
 def _replay(events: list[dict]) -> list[dict]:
@@ -265,7 +279,7 @@ def call(tiny):
         ),
         ({"input": "hi", "tool_choice": "required"}, 400, "tool_choice", "tools"),
         ({"input": []}, 400, "input", "no input"),
-        ({"input": "hi", "truncation": "auto"}, 400, "truncation", ""),
+        ({"input": "hi", "truncation": "middle"}, 400, "truncation", ""),
         ({"input": "hi", "background": True}, 400, "background", ""),
         ({"input": "hi", "previous_response_id": "resp-unknown"}, 404, "previous_response_id", "resp-unknown"),
         ({"input": "hi", "model": "other"}, 404, "model", "other"),

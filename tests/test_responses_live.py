@@ -206,3 +206,36 @@ def test_a_store_that_does_not_answer_still_gets_the_answer_and_reads_get_a_503(
         client.responses.create(model=MODEL, input="Go on.", previous_response_id=response.id, max_output_tokens=2)
     assert re.search(r'cascadia_errors_total\{kind="store_unavailable"\} [1-9]', httpx.get(base + "/metrics").text)
     assert "was not stored" in log.read_text()
+
+
+def test_truncation_auto_leaves_the_oldest_turns_out_of_a_conversation_over_the_context(live, gateway_process):
+    base, _ = gateway_process("--max-context", "160", keys=True)
+    client = openai.OpenAI(base_url=base + "/v1", api_key=KEYS[0], max_retries=0, timeout=60)
+    asked = {"model": MODEL, "instructions": "Be brief.", "max_output_tokens": 6, "temperature": 0}
+    said = ["Tell me of the harbour.", "And of the market?", "And of the lamps?", "And of the gulls?"]
+    previous, turns = None, []
+    for text in said:
+        response = client.responses.create(input=text, previous_response_id=previous, truncation="auto", **asked)
+        previous = response.id
+        turns.append((text, response.output_text, response.usage.input_tokens))
+    with pytest.raises(openai.BadRequestError) as refused:  # whole, the conversation no longer fits
+        client.responses.create(input="And the baker?", previous_response_id=previous, **asked)
+    assert refused.value.body["param"] in ("input", "max_output_tokens")
+    last = client.responses.create(input="And the baker?", previous_response_id=previous, truncation="auto", **asked)
+    assert last.truncation == "auto" and last.status in ("completed", "incomplete")
+    # the prompt is the conversation from some later user turn on, as chat renders that part of it
+    history = [
+        m
+        for text, answer, _ in turns
+        for m in ({"role": "user", "content": text}, {"role": "assistant", "content": answer})
+    ]
+    history.append({"role": "user", "content": "And the baker?"})
+    for start in range(0, len(history), 2):
+        messages = [{"role": "system", "content": "Be brief."}, *history[start:]]
+        if len(live.codec.encode_chat(messages)) == last.usage.input_tokens:
+            break
+    else:
+        raise AssertionError(f"no cut of the conversation renders to {last.usage.input_tokens} tokens")
+    assert start > 0
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+    assert chat.choices[0].message.content == last.output_text

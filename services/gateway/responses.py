@@ -152,6 +152,15 @@ def chat_request(body: ResponseRequest, items: list[dict[str, Any]]) -> ChatComp
         raise bad_request(f"Invalid input: {first['msg']}", "input") from None
 
 
+def turn_starts(items: list[dict[str, Any]]) -> list[int]:
+    """Where the conversation could start if its oldest turns were left out: 0, then each later user
+    message (so a function's output never loses the call it answers)."""
+    later = [
+        i for i, item in enumerate(items) if i and item.get("type", "message") == "message" and item["role"] == "user"
+    ]
+    return [0, *later]
+
+
 def as_response_error(exc: ApiError) -> ApiError:
     """A chat request's error named in the Responses API's terms."""
     param = RESPONSE_PARAMS.get(exc.param or "", exc.param)

@@ -29,6 +29,7 @@ from cascadia.gateway.responses import (
     input_items,
     refuse_unsupported,
     status_of,
+    turn_starts,
 )
 from cascadia.gateway.responses_schemas import DeletedResponse, InputItemList, ResponseBody, ResponseRequest
 from cascadia.gateway.schemas import error_responses
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from cascadia.gateway.app import Gateway, PreparedChat
 
 log = logging.getLogger("cascadia.gateway")
+TOO_LONG = ("prompt_too_long", "context_length_exceeded")  # the codes a shorter conversation may avoid
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 MAX_LISTED_ITEMS = 100
 
@@ -80,6 +82,7 @@ def _started(body: ResponseRequest, prepared: PreparedChat, model: str, keep: bo
         tool_choice=body.tool_choice or "auto",
         parallel_tool_calls=body.parallel_tool_calls is not False,
         text={"format": shape.model_dump(by_alias=True, exclude_none=True) if shape else {"type": "text"}},
+        truncation=body.truncation or "disabled",
         store=keep,
         metadata=body.metadata or {},
         user=body.user,
@@ -105,6 +108,19 @@ def _finished(started: ResponseBody, prepared: PreparedChat, builder: OutputBuil
             },
         }
     )
+
+
+def _prepared(gateway: Gateway, body: ResponseRequest, items: list[dict[str, Any]]) -> PreparedChat:
+    """The response's generation; with truncation "auto", from the first turn on which the conversation fits
+    the context (the instructions always stay)."""
+    starts = turn_starts(items) if body.truncation == "auto" else [0]
+    for start in starts:
+        try:
+            return gateway.prepare_chat(chat_request(body, items[start:]), "resp")
+        except ApiError as exc:
+            if exc.code not in TOO_LONG or start == starts[-1]:
+                raise as_response_error(exc) from None
+    raise AssertionError("the last start returns or raises")
 
 
 def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) -> None:
@@ -133,10 +149,7 @@ def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) ->
                     code="response_not_found",
                 ) from None
         items = input_items(body)
-        try:
-            prepared = gateway.prepare_chat(chat_request(body, context + items), "resp")
-        except ApiError as exc:
-            raise as_response_error(exc) from None
+        prepared = _prepared(gateway, body, context + items)
         keep = body.store is not False
         started = _started(body, prepared, gateway.config.model_name, keep)
         builder = OutputBuilder(wants_logprobs=body.wants_logprobs)

@@ -158,8 +158,10 @@ class ResponseRequest(Strict):
         ]
         | None
     ) = None
-    truncation: Literal["disabled"] | None = Field(
-        None, description="Only 'disabled': a conversation over the context is refused, not cut."
+    truncation: Literal["auto", "disabled"] | None = Field(
+        None,
+        description="disabled (the default): a conversation over the context is refused; auto: its oldest turns "
+        "are left out of the prompt until it fits.",
     )
     reasoning: dict[str, Any] | None = Field(None, description="Refused unless empty: these models do not reason.")
     user: str | None = None
@@ -246,7 +248,7 @@ class ResponseBody(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice = "auto"
     parallel_tool_calls: bool = True
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
-    truncation: Literal["disabled"] = "disabled"
+    truncation: Literal["auto", "disabled"] = "disabled"
     store: bool = True
     metadata: dict[str, str] = Field(default_factory=dict)
     user: str | None = None
