@@ -567,15 +567,17 @@ def test_shared_prefixes_count_as_kept_streams_and_the_one_last_copied_gives_way
         SchedulerConfig(stages=1, min_shared_prefix=-1)
 
 
-def test_copies_nobody_started_from_give_way_before_conversations():
+def test_copies_nobody_started_from_give_way_before_conversations_once_they_take_too_many_places():
     from cascadia.router.scheduler import Kept, next_to_give_way
 
     conversation, told, shared = Kept((1, 2), 2, prompt=2), Kept((3,), 1, prefix=True), Kept((4,), 1, prefix=True)
-    assert next_to_give_way({"c": conversation, "p": told}) == "p"  # though "c" is older
-    assert next_to_give_way({"c": conversation, "q": replace(shared, copies=1)}) == "c"  # used: by its age
-    assert next_to_give_way({"q": replace(shared, copies=1), "p": told, "c": conversation}) == "p"
+    assert next_to_give_way({"c": conversation, "p": told}, unused_places=1) == "c"  # by age: a copy may stay
+    assert next_to_give_way({"c": conversation, "p": told, "p2": shared}, unused_places=1) == "p"
+    used = replace(shared, copies=1)
+    assert next_to_give_way({"c": conversation, "q": used, "p": told}, unused_places=0) == "p"
+    assert next_to_give_way({"q": used, "c": conversation}, unused_places=0) == "q"  # started from: by its age
     # a service whose system prompt differs per request: each first request leaves a copy nobody starts from
-    s = Scheduler(SchedulerConfig(stages=1, rows_per_group=16, prefill_window=8, keep_finished=3, min_shared_prefix=8))
+    s = Scheduler(SchedulerConfig(stages=1, rows_per_group=16, prefill_window=8, keep_finished=4, min_shared_prefix=8))
     s.set_chain_ready(True)
     s.rewind_slack = 4
     _run_prompt(s, "chat", tuple(range(300, 330)))  # a conversation, its next turn to come
@@ -583,11 +585,18 @@ def test_copies_nobody_started_from_give_way_before_conversations():
         system = tuple(range(100 + 40 * user, 120 + 40 * user))
         prompt = (*system, *range(50, 60))  # fed 10 past its system prompt: too far to step back to it
         _run_request(s, Request(f"u{user}", prompt, SamplingParams(max_tokens=1), shared_prefix=20))
-    # oldest first they would have been chat, prefix-1 and prefix-2: the unused copies went first
-    assert [name for name in ("chat", "u0", "u1") if s.kept(name)] == ["chat", "u0", "u1"]
-    assert s.take_dropped() == ["prefix-1", "prefix-2"] and s.shared_prefixes == 0
+    # oldest first, chat would have gone: with 4 places, one copy nobody started from may stay
+    assert [name for name in ("chat", "u0", "prefix-2", "u1") if s.kept(name)] == ["chat", "u0", "prefix-2", "u1"]
+    assert s.take_dropped() == ["prefix-1"] and s.shared_prefixes == 1
     frames = _run_prompt(s, "chat2", (*range(300, 330), 1, 5))  # the next turn takes the conversation over
     assert frames[0].rows[0].resume_from == "chat"
+    # with every place held by finished streams, a new copy still outlives its maker for the next user
+    for n in range(4):
+        _run_prompt(s, f"other{n}", tuple(range(600 + 40 * n, 630 + 40 * n)))
+    system = tuple(range(900, 920))
+    _run_request(s, Request("v0", (*system, *range(50, 60)), SamplingParams(max_tokens=1), shared_prefix=20))
+    frames = _run_request(s, Request("v1", (*system, 1, 2, 3), SamplingParams(max_tokens=1), shared_prefix=20))
+    assert frames[0].rows[0].copy_from.startswith("prefix-") and frames[0].rows[0].start == 20
 
 
 def test_a_prompt_that_parts_from_a_finished_streams_prompt_starts_as_a_copy_and_leaves_it_for_its_next_turn():

@@ -144,6 +144,8 @@ class Emitted:
     cached: int = 0  # on a stream's first token: the prompt positions it took over or copied
 
 
+# at most one in this many kept places holds a copy of a shared prefix that no stream has started from
+UNUSED_COPY_SHARE = 4
 RECENT_PROMPTS = 64  # admitted prompts a new one is compared with for a shared prefix
 PROBE_EVERY = 16  # tokens a stream whose drafts do not pay generates between one-token probes
 PROPOSAL_SMOOTHING = 0.5  # weight of the newest proposal's time per token
@@ -257,16 +259,18 @@ class Kept:
     copies: int = 0  # streams that started as copies of it
 
 
-def next_to_give_way(kept: Mapping[RequestId, Kept]) -> RequestId:
-    """The kept stream that gives way when a place is wanted (`kept` least recently used first): the
-    oldest shared prefix no stream has started from yet, else the oldest of all.
+def next_to_give_way(kept: Mapping[RequestId, Kept], unused_places: int) -> RequestId:
+    """The kept stream that gives way when a place is wanted (`kept` least recently used first): the oldest
+    of all, unless more than `unused_places` of them are shared prefixes no stream has started from yet,
+    and then the oldest of those.
 
     A prefix's copy is left on a guess (a prompt said others would start alike, or two prompts did); a
     finished stream is a conversation whose next turn may come. Where system prompts differ from request
-    to request (a user's name or the date in them), copies nobody starts from would otherwise push the
-    conversations out; a prefix that is shared is started from, and from then on gives way by its use.
+    to request (a user's name or the date in them), every request leaves a copy nobody starts from, and
+    by age alone those would push the conversations out. A copy that is started from gives way by its use.
     """
-    return next((name for name, held in kept.items() if held.prefix and not held.copies), next(iter(kept)))
+    unused = [name for name, held in kept.items() if held.prefix and not held.copies]
+    return unused[0] if len(unused) > unused_places else next(iter(kept))
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -632,7 +636,7 @@ class Scheduler:
                 return name
 
     def _give_way(self) -> None:
-        name = next_to_give_way(self._kept)
+        name = next_to_give_way(self._kept, max(1, self.config.keep_finished // UNUSED_COPY_SHARE))
         del self._kept[name]
         self._dropped.append(name)
 
