@@ -174,6 +174,15 @@ def test_gateways_keep_stored_responses_in_the_fleets_redis():
     policy = by_name[("NetworkPolicy", "inkling-redis")]["spec"]["ingress"][0]
     admitted = sorted(p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in policy["from"])
     assert admitted == ["draft", "gateway", "router"]
+    redis = by_name[("StatefulSet", "inkling-redis")]["spec"]["template"]["spec"]["containers"][0]
+    assert "--maxmemory" not in redis["args"]  # no memory limit: nothing to keep under
+    spec = example_spec()
+    spec["resources"] = {"redis": {"limits": {"memory": "512Mi"}}}
+    _, children = rendered(spec)
+    redis = next(c for c in children if c["kind"] == "StatefulSet" and c["metadata"]["name"] == "inkling-redis")
+    args = redis["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--maxmemory") + 1] == str(384 << 20)
+    assert args[args.index("--maxmemory-policy") + 1] == "volatile-lru"
     # an external Redis: its password reaches the draft service and the gateways from the Secret, never
     # their arguments
     spec = example_spec()

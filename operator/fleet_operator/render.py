@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from kubernetes.utils import parse_quantity
+
 from cascadia.engine.cpu_isa import AMX_VARIABLE
 from cascadia.operator import GROUP, KIND, VERSION
 from cascadia.operator.spec import FleetSpec
@@ -366,14 +368,29 @@ def draft_children(fleet: Fleet) -> list[dict[str, Any]]:
     return [deployment, service(fleet, name, "draft", [{"name": "grpc", "port": DRAFT_PORT, "targetPort": "grpc"}])]
 
 
+def redis_memory_args(resources: dict[str, Any]) -> list[str]:
+    """Under a memory limit, Redis evicts the least recently used of its expiring keys (every draft context and
+    stored response expires) at three quarters of it, rather than grow into the limit and be killed."""
+    limit = resources.get("limits", {}).get("memory")
+    if limit is None:
+        return []
+    try:
+        cap = int(parse_quantity(limit) * 3 // 4)
+    except ValueError:  # the API server refuses the quantity itself, naming it
+        return []
+    return ["--maxmemory", str(cap), "--maxmemory-policy", "volatile-lru"]
+
+
 def redis_children(fleet: Fleet) -> list[dict[str, Any]]:
     spec = fleet.spec
     name = f"{fleet.name}-redis"
+    resources = _resources(spec, "redis")
+    args = ["--save", "", "--appendonly", "no", *redis_memory_args(resources)]
     container = _container(
-        "redis", spec.get("images", "redis"), ["--save", "", "--appendonly", "no"], spec,
+        "redis", spec.get("images", "redis"), args, spec,
         ports=[{"name": "redis", "containerPort": REDIS_PORT, "protocol": "TCP"}],
         readinessProbe={"exec": {"command": ["redis-cli", "ping"]}, "periodSeconds": 10},
-        resources=_resources(spec, "redis"), volumeMounts=[{"name": "data", "mountPath": "/data"}],
+        resources=resources, volumeMounts=[{"name": "data", "mountPath": "/data"}],
     )  # fmt: skip
     pod = _workload_pod(fleet, "redis", [container], [{"name": "data", "emptyDir": {}}])
     statefulset = {
