@@ -170,6 +170,7 @@ def test_gateways_keep_stored_responses_in_the_fleets_redis():
     by_name = {(c["kind"], c["metadata"]["name"]): c for c in children}
     gateway = by_name[("Deployment", "inkling-gateway")]["spec"]["template"]["spec"]["containers"][0]
     assert gateway["args"][gateway["args"].index("--redis") + 1] == "redis://inkling-redis.serving.svc:6379/0"
+    assert gateway["args"][gateway["args"].index("--response-ttl") + 1] == "86400"  # the default: a day
     assert "env" not in gateway  # the managed Redis has no password
     policy = by_name[("NetworkPolicy", "inkling-redis")]["spec"]["ingress"][0]
     admitted = sorted(p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in policy["from"])
@@ -187,6 +188,7 @@ def test_gateways_keep_stored_responses_in_the_fleets_redis():
     # their arguments
     spec = example_spec()
     spec["draft"] = {"enabled": True}
+    spec["gateway"] = {"storedResponseTtlSeconds": 3600}
     secret = {"name": "r", "key": "p"}
     spec["redis"] = {"managed": False, "url": "rediss://cache.example:6380/0", "passwordSecret": secret}
     _, children = rendered(spec)
@@ -195,6 +197,7 @@ def test_gateways_keep_stored_responses_in_the_fleets_redis():
         container = deployment["spec"]["template"]["spec"]["containers"][0]
         assert container["args"][container["args"].index("--redis") + 1] == "rediss://cache.example:6380/0"
         assert container["env"] == [{"name": "CASCADIA_REDIS_PASSWORD", "valueFrom": {"secretKeyRef": secret}}]
+    assert container["args"][container["args"].index("--response-ttl") + 1] == "3600"  # the gateway's, last
 
 
 def test_network_policies_let_only_the_router_and_previous_stage_reach_shards():

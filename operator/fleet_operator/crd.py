@@ -211,6 +211,12 @@ SPEC = _object(
                     maxLength=253,
                 ),
                 "maxConcurrentPerKey": _int("Requests in flight per API key (0: no limit).", 0, 100000, 64),
+                "storedResponseTtlSeconds": _int(
+                    "Seconds a stored /v1/responses response stays in the fleet's Redis after it was last read.",
+                    60,
+                    365 * 24 * 3600,
+                    24 * 3600,
+                ),
             },
         ),
         "images": _object(

@@ -318,7 +318,7 @@ def gateway_children(fleet: Fleet, plan: FleetPlan) -> list[dict[str, Any]]:
     # stored responses (/v1/responses) in the fleet's Redis, so that any replica continues a conversation
     store = redis_url(fleet)
     if store:
-        args += ["--redis", store]
+        args += ["--redis", store, "--response-ttl", str(gateway["storedResponseTtlSeconds"])]
     env = redis_env(fleet)
     probe = {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 10, "timeoutSeconds": 5}
     container = _container(
