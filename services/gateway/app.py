@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import json
@@ -18,7 +17,7 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -69,11 +68,9 @@ from cascadia.gateway.tools import (
     markup_grammar,
     tool_calls_schema,
 )
-from cascadia.gateway.watch import run_watched, wait_for_disconnect
+from cascadia.gateway.watch import run_watched, watched_stream
 
 log = logging.getLogger("cascadia.gateway")
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 @dataclass(frozen=True)
@@ -406,33 +403,16 @@ def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-async def _stream(
-    request: Request,
-    choices: Choices,
-    chunks: Callable[[int, Delta], dict | None],
-    usage_chunk: Callable[[], dict] | None,
-    release: Callable[[], None],
-    metrics: GatewayMetrics,
+async def _chunks(
+    choices: Choices, chunks: Callable[[int, Delta], dict | None], usage_chunk: Callable[[], dict] | None
 ) -> AsyncIterator[str]:
-    watch = asyncio.ensure_future(wait_for_disconnect(request))
-    watch.add_done_callback(lambda task: None if task.cancelled() else choices.abort())
-    try:
-        async for index, delta in choices.deltas():
-            chunk = chunks(index, delta)
-            if chunk is not None:
-                yield _sse(chunk)
-        if usage_chunk is not None:
-            yield _sse(usage_chunk())
-        yield "data: [DONE]\n\n"
-    except ApiError as exc:  # headers are sent: the error travels as an event
-        metrics.errors.labels(exc.code or exc.type).inc()
-        yield _sse(error_body(exc))
-    except asyncio.CancelledError:
-        metrics.errors.labels("client_disconnected").inc()
-        raise
-    finally:
-        watch.cancel()
-        release()
+    async for index, delta in choices.deltas():
+        chunk = chunks(index, delta)
+        if chunk is not None:
+            yield _sse(chunk)
+    if usage_chunk is not None:
+        yield _sse(usage_chunk())
+    yield "data: [DONE]\n\n"
 
 
 @dataclass(frozen=True)
@@ -474,8 +454,8 @@ def _streaming_response(
     metrics: GatewayMetrics,
 ) -> Response:
     usage = envelope.usage if envelope.include_usage else None
-    stream = _stream(request, choices, chunks, usage, release, metrics)
-    return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+    failed = lambda exc: [_sse(error_body(exc))]  # noqa: E731
+    return watched_stream(request, choices, _chunks(choices, chunks, usage), failed, release, metrics)
 
 
 def _template_message(message: ChatMessage) -> dict[str, Any]:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Query, Request
-from fastapi.responses import StreamingResponse
 
 from cascadia.gateway.auth import Key
 from cascadia.gateway.errors import ApiError
@@ -34,14 +33,13 @@ from cascadia.gateway.responses import (
 from cascadia.gateway.responses_schemas import DeletedResponse, InputItemList, ResponseBody, ResponseRequest
 from cascadia.gateway.schemas import error_responses
 from cascadia.gateway.tools import AnswerReader
-from cascadia.gateway.watch import run_watched, wait_for_disconnect
+from cascadia.gateway.watch import run_watched, watched_stream
 
 if TYPE_CHECKING:
     from cascadia.gateway.app import Gateway, PreparedChat
 
 log = logging.getLogger("cascadia.gateway")
 TOO_LONG = ("prompt_too_long", "context_length_exceeded")  # the codes a shorter conversation may avoid
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 MAX_LISTED_ITEMS = 100
 
 
@@ -166,8 +164,10 @@ def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) ->
 
         gateway.limiter.acquire(key)
         if body.stream:
-            stream = _events(request, gateway, key, prepared, started, builder, stored)
-            return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+            events = _events(prepared, started, builder, stored)
+            failed = functools.partial(_failed, started, builder)
+            release = functools.partial(gateway.limiter.release, key)
+            return watched_stream(request, prepared.choices, events, failed, release, gateway.metrics)
         try:
             await run_watched(request, prepared.choices)
         finally:
@@ -225,45 +225,34 @@ def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) ->
         )
 
 
+def _failed(started: ResponseBody, builder: OutputBuilder, exc: ApiError) -> list[str]:
+    """The events of a response the fleet failed after its first events were sent."""
+    code = exc.code or exc.type
+    failed = started.model_dump() | {"status": "failed", "error": {"code": code, "message": exc.message}}
+    return [
+        _event(builder.event("error", code=code, message=exc.message, param=exc.param)),
+        _event(builder.event("response.failed", response=ResponseBody.model_validate(failed).model_dump(mode="json"))),
+    ]
+
+
 async def _events(
-    request: Request,
-    gateway: Gateway,
-    key: str,
     prepared: PreparedChat,
     started: ResponseBody,
     builder: OutputBuilder,
     stored: Callable[[ResponseBody], Awaitable[ResponseBody]],
 ) -> AsyncIterator[str]:
-    """The response's events: created, its items as they arrive, and completed (or incomplete, or failed)."""
-    choices = prepared.choices
-    watch = asyncio.ensure_future(wait_for_disconnect(request))
-    watch.add_done_callback(lambda task: None if task.cancelled() else choices.abort())
+    """The response's events: created, its items as they arrive, and completed (or incomplete)."""
     reader = AnswerReader(prepared.tools)
     snapshot = started.model_dump(mode="json")
-    try:
-        yield _event(builder.event("response.created", response=snapshot))
-        yield _event(builder.event("response.in_progress", response=snapshot))
-        finish: str | None = None
-        async for _, delta in choices.deltas():
-            parts, finish = reader.parts(delta.text, delta.finish_reason)
-            for event in builder.feed(parts, delta.tokens):
-                yield _event(event)
-        for event in builder.finish(finish):
+    yield _event(builder.event("response.created", response=snapshot))
+    yield _event(builder.event("response.in_progress", response=snapshot))
+    finish: str | None = None
+    async for _, delta in prepared.choices.deltas():
+        parts, finish = reader.parts(delta.text, delta.finish_reason)
+        for event in builder.feed(parts, delta.tokens):
             yield _event(event)
-        final = await stored(_finished(started, prepared, builder))
-        kind = "response.incomplete" if final.status == "incomplete" else "response.completed"
-        yield _event(builder.event(kind, response=final.model_dump(mode="json")))
-    except ApiError as exc:  # headers are sent: the failure travels as events
-        code = exc.code or exc.type
-        gateway.metrics.errors.labels(code).inc()
-        failed = ResponseBody.model_validate(
-            started.model_dump() | {"status": "failed", "error": {"code": code, "message": exc.message}}
-        )
-        yield _event(builder.event("error", code=code, message=exc.message, param=exc.param))
-        yield _event(builder.event("response.failed", response=failed.model_dump(mode="json")))
-    except asyncio.CancelledError:
-        gateway.metrics.errors.labels("client_disconnected").inc()
-        raise
-    finally:
-        watch.cancel()
-        gateway.limiter.release(key)
+    for event in builder.finish(finish):
+        yield _event(event)
+    final = await stored(_finished(started, prepared, builder))
+    kind = "response.incomplete" if final.status == "incomplete" else "response.completed"
+    yield _event(builder.event(kind, response=final.model_dump(mode="json")))

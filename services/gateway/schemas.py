@@ -28,22 +28,13 @@ class Unsupported(BaseModel):
     type: str
 
 
-def _kind(default: str | None):
-    """The `type` of an item as parsed or as given (`default` where an item may leave it out)."""
-
-    def read(value: Any) -> str | None:
-        kind = value.get("type", default) if isinstance(value, dict) else getattr(value, "type", default)
-        return kind if isinstance(kind, str) else None
-
-    return read
-
-
 def tagged(known: dict[str, type[BaseModel]], default: str | None = None) -> Any:
-    """A union over `known` by `type`, any other kind parsing as `Unsupported`."""
+    """A union over `known` by `type` (`default` where an item may leave it out), any other kind parsing
+    as `Unsupported`."""
 
     def tag(value: Any) -> str:
-        kind = _kind(default)(value)
-        return kind if kind in known else "unsupported"
+        kind = value.get("type", default) if isinstance(value, dict) else getattr(value, "type", default)
+        return kind if isinstance(kind, str) and kind in known else "unsupported"
 
     members = [Annotated[model, Tag(kind)] for kind, model in known.items()]
     members.append(Annotated[Unsupported, Tag("unsupported")])
