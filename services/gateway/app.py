@@ -392,13 +392,6 @@ class Gateway:
         return PreparedChat(self.choices(prefix, [ids], [params], body, shared_prefix=shared), tools_answer)
 
 
-async def _run_to_end(gateway: Gateway, request: Request, choices: Choices, key: str) -> None:
-    try:
-        await run_watched(request, choices)
-    finally:
-        gateway.limiter.release(key)
-
-
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
@@ -644,7 +637,7 @@ def create_app(
 
             envelope = _Envelope(choices, "text_completion", created, config.model_name, body.stream_options)
             return _streaming_response(request, choices, chunk, envelope, lambda: gateway.limiter.release(key), metrics)
-        await _run_to_end(gateway, request, choices, key)
+        await run_watched(request, choices, functools.partial(gateway.limiter.release, key))
         return CompletionResponse(
             id=choices.response_id,
             created=created,
@@ -694,7 +687,7 @@ def create_app(
 
             envelope = _Envelope(choices, "chat.completion.chunk", created, config.model_name, body.stream_options)
             return _streaming_response(request, choices, chunk, envelope, lambda: gateway.limiter.release(key), metrics)
-        await _run_to_end(gateway, request, choices, key)
+        await run_watched(request, choices, functools.partial(gateway.limiter.release, key))
         return ChatCompletionResponse(
             id=choices.response_id,
             created=created,

@@ -168,10 +168,7 @@ def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) ->
             failed = functools.partial(_failed, started, builder)
             release = functools.partial(gateway.limiter.release, key)
             return watched_stream(request, prepared.choices, events, failed, release, gateway.metrics)
-        try:
-            await run_watched(request, prepared.choices)
-        finally:
-            gateway.limiter.release(key)
+        await run_watched(request, prepared.choices, functools.partial(gateway.limiter.release, key))
         generation = prepared.choices.generations[0]
         parts, finish = AnswerReader(prepared.tools).parts(generation.text, generation.finish_reason or "stop")
         builder.feed(parts, generation.logprobs)

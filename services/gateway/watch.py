@@ -22,8 +22,9 @@ async def wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def run_watched(request: Request, choices: Choices) -> None:
-    """Run a non-streaming request's generations; stop them on the router if the client disconnects."""
+async def run_watched(request: Request, choices: Choices, release: Callable[[], None]) -> None:
+    """Run a non-streaming request's generations; stop them on the router if the client disconnects, and
+    call `release` however it ends."""
     work = asyncio.ensure_future(choices.run())
     watch = asyncio.ensure_future(wait_for_disconnect(request))
     try:
@@ -36,6 +37,7 @@ async def run_watched(request: Request, choices: Choices) -> None:
         work.result()
     finally:
         watch.cancel()
+        release()
 
 
 def watched_stream(
