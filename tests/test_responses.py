@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 
 import httpx
 import pytest
 
 from cascadia.gateway.app import GatewayConfig, create_app
 from cascadia.gateway.auth import KeyRing
+from cascadia.gateway.errors import ApiError
 from cascadia.gateway.generation import TokenLogprob
 from cascadia.gateway.response_store import (
     ConversationLost,
@@ -21,6 +23,7 @@ from cascadia.gateway.response_store import (
     conversation,
 )
 from cascadia.gateway.responses import OutputBuilder, chat_messages, chat_request, input_items, turn_starts
+from cascadia.gateway.responses_routes import render_response
 from cascadia.gateway.responses_schemas import ResponseRequest
 from cascadia.gateway.router_client import RouterClient
 from cascadia.gateway.text import TextCodec
@@ -104,6 +107,46 @@ def test_a_conversation_may_be_cut_only_where_a_user_turn_starts():
     ]
     assert turn_starts(items) == [0, 4, 6]
     assert turn_starts(items[1:4]) == [0]
+
+
+class _Fits:
+    """A stand-in for the gateway's rendering: a conversation fits when it has at most `fits` messages."""
+
+    def __init__(self, fits: int, refusal: str = "context_length_exceeded") -> None:
+        self.fits, self.refusal, self.rendered = fits, refusal, []
+
+    def render_chat(self, request):
+        self.rendered.append(len(request.messages))
+        if len(request.messages) > self.fits:
+            raise ApiError(400, f"{len(request.messages)} messages", param="max_tokens", code=self.refusal)
+        return len(request.messages)
+
+
+@pytest.mark.parametrize("turns", [1, 2, 7, 40])
+def test_truncation_auto_starts_at_the_earliest_turn_that_fits_in_a_few_renders(turns):
+    items = [{"role": role, "content": f"{role} {i}"} for i in range(turns) for role in ("user", "assistant")]
+    items.append({"role": "user", "content": "last"})
+    body = request(input=items, instructions="Be brief.", truncation="auto")
+    for fits in range(2, 2 * turns + 3):  # the instructions and the last user turn always fit
+        stand_in = _Fits(fits)
+        rendered, chat = render_response(stand_in, body, input_items(body))
+        # the instructions, then as many of the latest turns as fit: the earliest start a user turn begins at
+        assert rendered == 1 + min(2 * turns + 1, (fits - 2) // 2 * 2 + 1) == len(chat.messages)
+        assert len(stand_in.rendered) <= 2 + math.ceil(math.log2(turns + 1))
+    whole = _Fits(2 * turns + 2)
+    render_response(whole, body, input_items(body))
+    assert whole.rendered == [2 * turns + 2]  # a conversation that fits is rendered once
+    with pytest.raises(ApiError) as refused:
+        render_response(_Fits(1), body, input_items(body))
+    assert refused.value.code == "context_length_exceeded" and refused.value.param == "max_output_tokens"
+    other = _Fits(1, refusal="invalid_value")  # not a length: no shorter conversation is tried
+    with pytest.raises(ApiError):
+        render_response(other, body, input_items(body))
+    assert len(other.rendered) == 1
+    disabled = _Fits(2 * turns)  # one message short of the whole conversation
+    with pytest.raises(ApiError):
+        render_response(disabled, request(input=items, truncation="disabled"), input_items(body))
+    assert len(disabled.rendered) == 1
 
 
 def _replay(events: list[dict]) -> list[dict]:
@@ -281,7 +324,7 @@ def call(tiny):
         ({"input": []}, 400, "input", "no input"),
         ({"input": "hi", "truncation": "middle"}, 400, "truncation", ""),
         ({"input": "hi", "background": True}, 400, "background", ""),
-        ({"input": "hi", "previous_response_id": "resp-unknown"}, 404, "previous_response_id", "resp-unknown"),
+        ({"input": "hi", "previous_response_id": "resp_unknown"}, 404, "previous_response_id", "resp_unknown"),
         ({"input": "hi", "model": "other"}, 404, "model", "other"),
         ({"input": "hi"}, 503, None, "unavailable"),  # past every check: the router is not there
     ],
@@ -294,14 +337,48 @@ def test_bad_response_requests_are_refused_naming_the_parameter(call, body, stat
 
 
 def test_unknown_stored_responses_are_404s(call):
-    for method, path in [("GET", "/v1/responses/resp-x"), ("DELETE", "/v1/responses/resp-x"),
-                         ("GET", "/v1/responses/resp-x/input_items")]:  # fmt: skip
+    for method, path in [("GET", "/v1/responses/resp_x"), ("DELETE", "/v1/responses/resp_x"),
+                         ("GET", "/v1/responses/resp_x/input_items")]:  # fmt: skip
         response = call(method, path)
-        assert response.status_code == 404 and "resp-x" in response.json()["error"]["message"]
+        assert response.status_code == 404 and "resp_x" in response.json()["error"]["message"]
 
 
 def test_a_method_a_path_does_not_serve_names_every_method_it_does(call):
-    response = call("PUT", "/v1/responses/resp-x")
+    response = call("PUT", "/v1/responses/resp_x")
     assert response.status_code == 405 and response.headers["allow"] == "DELETE, GET"
-    response = call("GET", "/v1/responses/resp-x/input_items", params={"order": "sideways"})
+    for method in ("GET", "DELETE"):  # the counting endpoint's path is no response's id
+        response = call(method, "/v1/responses/input_tokens")
+        assert response.status_code == 405 and response.headers["allow"] == "POST"
+    assert call("GET", "/v1/responses/input_tokens/input_items").status_code == 404
+    response = call("GET", "/v1/responses/resp_x/input_items", params={"order": "sideways"})
     assert response.status_code == 400 and response.json()["error"]["param"] == "query.order"
+
+
+def test_input_tokens_are_counted_as_a_response_renders_them(call, tiny):
+    codec = TextCodec.from_directory(tiny)
+
+    def count(**body) -> httpx.Response:
+        return call("POST", "/v1/responses/input_tokens", json=body)
+
+    counted = count(input="How are you?", instructions="Be brief.")
+    assert counted.status_code == 200, counted.text
+    whole = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "How are you?"}]
+    assert counted.json() == {"object": "response.input_tokens", "input_tokens": len(codec.encode_chat(whole))}
+    turns = [
+        {"role": "user", "content": "Tell me a long story about the sea. " * 3},
+        {"role": "assistant", "content": "No."},
+    ]
+    turns.append({"role": "user", "content": "Why?"})
+    over = count(model="tiny", input=turns)  # over the 64-token context: still counted whole
+    assert over.json()["input_tokens"] == len(codec.encode_chat(turns)) > 64
+    cut = count(input=turns, truncation="auto")  # the turns a response would keep
+    assert cut.json()["input_tokens"] == len(codec.encode_chat(turns[2:]))
+    for body, status, param in [
+        ({"input": "hi", "reasoning": {"effort": "high"}}, 400, "reasoning"),
+        ({"input": [{"role": "user", "content": [IMAGE]}]}, 400, "input[0].content[0]"),
+        ({"input": "hi", "conversation": "conv_1"}, 400, "conversation"),
+        ({"input": "hi", "model": "other"}, 404, "model"),
+        ({"input": "hi", "previous_response_id": "resp_gone"}, 404, "previous_response_id"),
+    ]:
+        refused = count(**body)
+        assert refused.status_code == status and refused.json()["error"]["param"] == param, refused.text

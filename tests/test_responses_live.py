@@ -41,11 +41,12 @@ def test_a_response_is_the_engines_greedy_answer_streamed_or_not(live, solo):
     assert whole.status == ("completed" if ended else "incomplete")
     assert (whole.incomplete_details is None) == ended
     assert [item.type for item in whole.output] == ["message"] and whole.output[0].role == "assistant"
+    assert whole.id.startswith("resp_") and whole.output[0].id.startswith("msg_")  # OpenAI's id forms
     chat = client.chat.completions.create(
         model=MODEL, messages=[{"role": "system", "content": BRIEF}, {"role": "user", "content": "What is a shard?"}],
         max_tokens=12, temperature=0,
     )  # fmt: skip
-    assert chat.choices[0].message.content == whole.output_text
+    assert chat.choices[0].message.content == whole.output_text and chat.id.startswith("chatcmpl-")
 
     events = list(client.responses.create(model=MODEL, stream=True, **asked))
     kinds = [e.type for e in events]
@@ -80,10 +81,14 @@ def test_previous_response_id_continues_the_conversation_on_the_last_turns_state
     first = client.responses.create(
         model=MODEL, instructions=BRIEF, input="Say something about the sea.", max_output_tokens=10, temperature=0
     )
+    counted = client.responses.input_tokens.count(
+        model=MODEL, instructions=BRIEF, input="And about the sky?", previous_response_id=first.id
+    )
     second = client.responses.create(
         model=MODEL, instructions=BRIEF, input="And about the sky?", previous_response_id=first.id,
         max_output_tokens=10, temperature=0,
     )  # fmt: skip
+    assert counted.input_tokens == second.usage.input_tokens
     history = [
         {"role": "system", "content": BRIEF},
         {"role": "user", "content": "Say something about the sea."},

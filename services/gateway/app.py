@@ -159,6 +159,26 @@ def _param_name(location: tuple) -> str | None:
 
 
 @dataclass(frozen=True)
+class ChatPrompt:
+    """A chat request's messages and tools as the template takes them, and the prompt they render to."""
+
+    ids: list[int]
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+    tools_answer: ToolAnswer | None
+
+
+@dataclass(frozen=True)
+class RenderedChat:
+    """A chat request checked and rendered: its prompt and sampling, no generation made yet."""
+
+    ids: list[int]
+    params: SamplingParams
+    shared_prefix: int  # the prompt's tokens other requests are likely to start with
+    tools: ToolAnswer | None
+
+
+@dataclass(frozen=True)
 class PreparedChat:
     """A chat request checked and turned into its generations, not yet started."""
 
@@ -324,15 +344,17 @@ class Gateway:
 
     def choices(
         self,
-        prefix: str,
+        id_prefix: str,
         prompts: list[list[int]],
         params: list[SamplingParams],
         body: SamplingFields,
         score_prompt: bool = False,
         shared_prefix: int = 0,
     ) -> Choices:
-        """`body.n` generations for each prompt (with its own sampling), each its own request on the router;
-        `shared_prefix`: the first tokens of every prompt that other requests are likely to start with."""
+        """`body.n` generations for each prompt (with its own sampling), each its own request on the router.
+
+        `id_prefix` starts the response's id as OpenAI's do (`chatcmpl-`, `cmpl-`, `resp_`); `shared_prefix`:
+        the first tokens of every prompt that other requests are likely to start with."""
         n = body.n or 1
         if len(prompts) * n > MAX_CHOICES:
             raise bad_request(
@@ -340,7 +362,7 @@ class Gateway:
                 f"is {MAX_CHOICES} a request.",
                 "n",
             )
-        response_id = f"{prefix}-{uuid.uuid4().hex}"
+        response_id = f"{id_prefix}{uuid.uuid4().hex}"
         generations = []
         for prompt, prompt_params in zip(prompts, params, strict=True):
             for j in range(n):
@@ -363,8 +385,27 @@ class Gateway:
                 )
         return Choices(response_id, prompts, generations)
 
-    def prepare_chat(self, body: ChatCompletionRequest, prefix: str) -> PreparedChat:
+    def prepare_chat(self, body: ChatCompletionRequest, id_prefix: str) -> PreparedChat:
         """A chat request checked (4xx for anything wrong) and rendered into its generations."""
+        return self.start_chat(self.render_chat(body), body, id_prefix)
+
+    def start_chat(self, rendered: RenderedChat, body: ChatCompletionRequest, id_prefix: str) -> PreparedChat:
+        choices = self.choices(id_prefix, [rendered.ids], [rendered.params], body, shared_prefix=rendered.shared_prefix)
+        return PreparedChat(choices, rendered.tools)
+
+    def render_chat(self, body: ChatCompletionRequest) -> RenderedChat:
+        """A chat request checked (4xx for anything wrong) and rendered; nothing counted or started."""
+        prompt = self.chat_prompt(body)
+        ids, messages, tools, tools_answer = prompt.ids, prompt.messages, prompt.tools, prompt.tools_answer
+        max_tokens = self.check_prompt(ids, body.max_completion_tokens or body.max_tokens, "messages")
+        top = body.top_logprobs or 0 if body.logprobs else 0
+        grammar = tools_answer.grammar if tools_answer else self.grammar(body)
+        params = self.sampling(body, max_tokens, bool(body.logprobs), top, grammar)
+        shared = self.codec.instructions_length(messages, tools, ids)
+        return RenderedChat(ids, params, shared, tools_answer)
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> ChatPrompt:
+        """A chat request's prompt, before the context's limits are checked (4xx for anything else wrong)."""
         self.check_model(body.model)
         if body.top_logprobs and not body.logprobs:
             raise bad_request("'top_logprobs' needs 'logprobs' set to true.", "top_logprobs")
@@ -384,12 +425,7 @@ class Gateway:
             raise bad_request(str(exc), "messages") from None
         if not ids:
             raise bad_request("The messages render to an empty prompt.", "messages")
-        max_tokens = self.check_prompt(ids, body.max_completion_tokens or body.max_tokens, "messages")
-        top = body.top_logprobs or 0 if body.logprobs else 0
-        grammar = tools_answer.grammar if tools_answer else self.grammar(body)
-        params = self.sampling(body, max_tokens, bool(body.logprobs), top, grammar)
-        shared = self.codec.instructions_length(messages, tools, ids)
-        return PreparedChat(self.choices(prefix, [ids], [params], body, shared_prefix=shared), tools_answer)
+        return ChatPrompt(ids, messages, tools, tools_answer)
 
 
 def _sse(payload: dict[str, Any]) -> str:
@@ -606,7 +642,7 @@ def create_app(
             gateway.sampling(body, gateway.check_prompt(ids, body.max_tokens, "prompt"), wants_logprobs, top, grammar)
             for ids in prompts
         ]
-        choices = gateway.choices("cmpl", prompts, params, body, score_prompt=bool(body.echo) and wants_logprobs)
+        choices = gateway.choices("cmpl-", prompts, params, body, score_prompt=bool(body.echo) and wants_logprobs)
         n = body.n or 1
         echoes = [p if isinstance(p, str) else codec.decode(p) for p in body.prompts] if body.echo else None
 
@@ -657,7 +693,7 @@ def create_app(
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**errors, **both})
     async def chat_completions(body: ChatCompletionRequest, request: Request, key: Key) -> Any:
-        prepared = gateway.prepare_chat(body, "chatcmpl")
+        prepared = gateway.prepare_chat(body, "chatcmpl-")
         choices, tools_answer = prepared.choices, prepared.tools
         created = int(time.time())
         gateway.limiter.acquire(key)

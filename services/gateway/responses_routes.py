@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Query, Request
+from starlette.convertors import StringConvertor, register_url_convertor
 
 from cascadia.gateway.auth import Key
 from cascadia.gateway.errors import ApiError
@@ -30,15 +31,34 @@ from cascadia.gateway.responses import (
     status_of,
     turn_starts,
 )
-from cascadia.gateway.responses_schemas import DeletedResponse, InputItemList, ResponseBody, ResponseRequest
+from cascadia.gateway.responses_schemas import (
+    DeletedResponse,
+    InputItemList,
+    InputTokenCount,
+    InputTokensRequest,
+    ResponseBody,
+    ResponseInput,
+    ResponseRequest,
+)
 from cascadia.gateway.schemas import error_responses
 from cascadia.gateway.tools import AnswerReader
 from cascadia.gateway.watch import run_watched, watched_stream
 
 if TYPE_CHECKING:
-    from cascadia.gateway.app import Gateway, PreparedChat
+    from cascadia.gateway.app import Gateway, PreparedChat, RenderedChat
+    from cascadia.gateway.schemas import ChatCompletionRequest
 
 log = logging.getLogger("cascadia.gateway")
+
+
+class ResponseIdConvertor(StringConvertor):
+    """A path segment naming a stored response: any but `input_tokens`, the counting endpoint's own path, so
+    that a GET or DELETE there is a 405 naming POST rather than a search for a response of that id."""
+
+    regex = "(?!input_tokens(?:/|$))[^/]+"
+
+
+register_url_convertor("response_id", ResponseIdConvertor())
 TOO_LONG = ("prompt_too_long", "context_length_exceeded")  # the codes a shorter conversation may avoid
 MAX_LISTED_ITEMS = 100
 
@@ -108,17 +128,55 @@ def _finished(started: ResponseBody, prepared: PreparedChat, builder: OutputBuil
     )
 
 
-def _prepared(gateway: Gateway, body: ResponseRequest, items: list[dict[str, Any]]) -> PreparedChat:
-    """The response's generation; with truncation "auto", from the first turn on which the conversation fits
-    the context (the instructions always stay)."""
+def render_response(
+    gateway: Gateway, body: ResponseRequest, items: list[dict[str, Any]]
+) -> tuple[RenderedChat, ChatCompletionRequest]:
+    """The response's prompt and the chat request it renders; with truncation "auto", from the earliest turn
+    on which the conversation fits the context (the instructions always stay).
+
+    The whole conversation is tried first, as it usually fits. Past that the turns are searched by halves,
+    since a later start never renders longer: a conversation far over the context costs a few renders, not
+    one per turn it leaves out.
+    """
     starts = turn_starts(items) if body.truncation == "auto" else [0]
-    for start in starts:
+    low, high = 0, len(starts) - 1  # the earliest start that fits, if any, lies in starts[low..high]
+    found: tuple[RenderedChat, ChatCompletionRequest] | None = None
+    too_long: ApiError | None = None
+    while low <= high:
+        middle = low if found is None and too_long is None else (low + high) // 2
+        request = chat_request(body, items[starts[middle] :])
         try:
-            return gateway.prepare_chat(chat_request(body, items[start:]), "resp")
+            found = gateway.render_chat(request), request
+            high = middle - 1
         except ApiError as exc:
-            if exc.code not in TOO_LONG or start == starts[-1]:
+            if exc.code not in TOO_LONG:
                 raise as_response_error(exc) from None
-    raise AssertionError("the last start returns or raises")
+            too_long, low = exc, middle + 1
+    if found is None:
+        assert too_long is not None
+        raise as_response_error(too_long)
+    return found
+
+
+async def _earlier_turns(store: ResponseStore, body: ResponseInput, key: str) -> list[dict[str, Any]]:
+    """The stored conversation `previous_response_id` continues (404 when it is not, or no longer, whole)."""
+    if body.previous_response_id is None:
+        return []
+    with _store_answering():
+        previous = await store.get(body.previous_response_id, key)
+    if previous is None:
+        raise _not_found(body.previous_response_id, "previous_response_id")
+    try:
+        with _store_answering():
+            return await conversation(store, previous)
+    except ConversationLost as lost:
+        raise ApiError(
+            404,
+            f"Response '{lost.response_id}', which '{body.previous_response_id}' continues, is no longer "
+            "stored: give the conversation as input instead.",
+            param="previous_response_id",
+            code="response_not_found",
+        ) from None
 
 
 def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) -> None:
@@ -129,25 +187,9 @@ def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) ->
     async def create_response(body: ResponseRequest, request: Request, key: Key) -> Any:
         gateway.check_model(body.model)
         refuse_unsupported(body)
-        context: list[dict[str, Any]] = []
-        if body.previous_response_id is not None:
-            with _store_answering():
-                previous = await store.get(body.previous_response_id, key)
-            if previous is None:
-                raise _not_found(body.previous_response_id, "previous_response_id")
-            try:
-                with _store_answering():
-                    context = await conversation(store, previous)
-            except ConversationLost as lost:
-                raise ApiError(
-                    404,
-                    f"Response '{lost.response_id}', which '{body.previous_response_id}' continues, is no longer "
-                    "stored: give the conversation as input instead.",
-                    param="previous_response_id",
-                    code="response_not_found",
-                ) from None
+        context = await _earlier_turns(store, body, key)
         items = input_items(body)
-        prepared = _prepared(gateway, body, context + items)
+        prepared = gateway.start_chat(*render_response(gateway, body, context + items), "resp_")
         keep = body.store is not False
         started = _started(body, prepared, gateway.config.model_name, keep)
         builder = OutputBuilder(wants_logprobs=body.wants_logprobs)
@@ -175,7 +217,34 @@ def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) ->
         builder.finish(finish)
         return await stored(_finished(started, prepared, builder))
 
-    @app.get("/v1/responses/{response_id}", response_model=ResponseBody, responses=error_responses(401, 404, 503))
+    @app.post(
+        "/v1/responses/input_tokens", response_model=InputTokenCount, responses=error_responses(400, 401, 404, 503)
+    )
+    async def count_input_tokens(body: InputTokensRequest, key: Key) -> InputTokenCount:
+        """The tokens a response to this input would read, counted as `POST /v1/responses` renders them.
+
+        Over the context, with truncation disabled, the whole conversation is still counted (a response
+        would be refused), so that a client learns by how much; with truncation auto, the turns a
+        response would keep, or the latest user turn's on when not even that fits.
+        """
+        given = {name: getattr(body, name) for name in body.model_fields_set}
+        asked = ResponseRequest(**given | {"model": body.model or gateway.config.model_name})
+        gateway.check_model(asked.model)
+        refuse_unsupported(asked)
+        items = await _earlier_turns(store, asked, key) + input_items(asked)
+        try:
+            rendered, _ = render_response(gateway, asked, items)
+            return InputTokenCount(input_tokens=len(rendered.ids))
+        except ApiError as exc:
+            if exc.code not in TOO_LONG:
+                raise
+        start = turn_starts(items)[-1] if asked.truncation == "auto" else 0
+        prompt = gateway.chat_prompt(chat_request(asked, items[start:]))
+        return InputTokenCount(input_tokens=len(prompt.ids))
+
+    @app.get(
+        "/v1/responses/{response_id:response_id}", response_model=ResponseBody, responses=error_responses(401, 404, 503)
+    )
     async def retrieve_response(response_id: str, key: Key) -> Any:
         with _store_answering():
             stored = await store.get(response_id, key)
@@ -183,7 +252,11 @@ def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) ->
             raise _not_found(response_id)
         return stored.body
 
-    @app.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=error_responses(401, 404, 503))
+    @app.delete(
+        "/v1/responses/{response_id:response_id}",
+        response_model=DeletedResponse,
+        responses=error_responses(401, 404, 503),
+    )
     async def delete_response(response_id: str, key: Key) -> DeletedResponse:
         with _store_answering():
             deleted = await store.delete(response_id, key)
@@ -192,7 +265,7 @@ def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) ->
         return DeletedResponse(id=response_id)
 
     @app.get(
-        "/v1/responses/{response_id}/input_items",
+        "/v1/responses/{response_id:response_id}/input_items",
         response_model=InputItemList,
         responses=error_responses(400, 401, 404, 503),
     )

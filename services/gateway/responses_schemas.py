@@ -126,8 +126,9 @@ class ResponseStreamOptions(Strict):
     include_obfuscation: bool | None = Field(None, description="Accepted; events carry no obfuscation padding.")
 
 
-class ResponseRequest(Strict):
-    model: str = Field(description="Name of a model from GET /v1/models.")
+class ResponseInput(Strict):
+    """What a response reads: the fields `POST /v1/responses` and `/v1/responses/input_tokens` share."""
+
     input: str | Annotated[list[InputItem], Field(max_length=MAX_INPUT_ITEMS)] | None = Field(
         None, description="Text (a user message) or a list of messages, function calls and their outputs."
     )
@@ -137,6 +138,20 @@ class ResponseRequest(Strict):
     previous_response_id: str | None = Field(
         None, description="Continue a stored response: its input and output come before this input."
     )
+    tools: Annotated[list[ResponseTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    truncation: Literal["auto", "disabled"] | None = Field(
+        None,
+        description="disabled (the default): a conversation over the context is refused; auto: its oldest turns "
+        "are left out of the prompt until it fits.",
+    )
+    reasoning: dict[str, Any] | None = Field(None, description="Refused unless empty: these models do not reason.")
+
+
+class ResponseRequest(ResponseInput):
+    model: str = Field(description="Name of a model from GET /v1/models.")
     store: bool | None = Field(None, description="Keep the response for GET and previous_response_id; default true.")
     max_output_tokens: int | None = Field(None, ge=1, description="Default: the rest of the context.")
     temperature: float | None = Field(None, ge=0, le=2, description="0 is greedy; default 1.")
@@ -145,10 +160,6 @@ class ResponseRequest(Strict):
     include: list[Literal["message.output_text.logprobs"]] | None = Field(
         None, description="message.output_text.logprobs: each output token's log-prob."
     )
-    tools: Annotated[list[ResponseTool], Field(max_length=MAX_TOOLS)] | None = None
-    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
-    parallel_tool_calls: bool | None = None
-    text: TextConfig | None = None
     stream: bool | None = False
     stream_options: ResponseStreamOptions | None = None
     metadata: (
@@ -158,12 +169,6 @@ class ResponseRequest(Strict):
         ]
         | None
     ) = None
-    truncation: Literal["auto", "disabled"] | None = Field(
-        None,
-        description="disabled (the default): a conversation over the context is refused; auto: its oldest turns "
-        "are left out of the prompt until it fits.",
-    )
-    reasoning: dict[str, Any] | None = Field(None, description="Refused unless empty: these models do not reason.")
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = Field(
@@ -177,6 +182,18 @@ class ResponseRequest(Strict):
     @property
     def wants_logprobs(self) -> bool:
         return LOGPROBS_INCLUDE in (self.include or ()) or bool(self.top_logprobs)
+
+
+class InputTokensRequest(ResponseInput):
+    model: str | None = Field(None, description="Name of a model from GET /v1/models; default the one served.")
+
+
+class InputTokenCount(BaseModel):
+    object: Literal["response.input_tokens"] = "response.input_tokens"
+    input_tokens: int = Field(
+        description="The prompt's tokens as a response would render it; with truncation auto, after the oldest "
+        "turns it would leave out."
+    )
 
 
 class OutputText(BaseModel):
