@@ -72,8 +72,9 @@ def live(tiny, tmp_path_factory) -> Iterator[Live]:
 
 @pytest.fixture
 def gateway_process(tiny, live, tmp_path):
-    """Start one more `cascadia gateway` over the same router, with other settings."""
-    started: list[subprocess.Popen] = []
+    """Start one more `cascadia gateway` over the same router, with other settings; `start.processes` maps each
+    one's base URL to its process."""
+    started: dict[str, subprocess.Popen] = {}
 
     def start(
         *options: str, keys: bool = False, router: str | None = None, ready: bool = True, model: Path | None = None
@@ -86,8 +87,8 @@ def gateway_process(tiny, live, tmp_path):
         cmd += ["--model", str(model or tiny), "--served-model-name", MODEL, "--port", str(port), *options]
         log = tmp_path / f"gateway-{port}.log"
         process = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-        started.append(process)
         base = f"http://127.0.0.1:{port}"
+        started[base] = process
         if ready:
             wait_until_ready(base, process, timeout=60)
         else:
@@ -101,8 +102,9 @@ def gateway_process(tiny, live, tmp_path):
                     time.sleep(0.3)
         return base, log
 
+    start.processes = started
     yield start
-    for process in started:
+    for process in started.values():
         process.terminate()
         process.wait(15)
 

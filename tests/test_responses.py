@@ -12,8 +12,10 @@ import pytest
 
 from cascadia.gateway.app import GatewayConfig, create_app
 from cascadia.gateway.auth import KeyRing
+from cascadia.gateway.background import BackgroundRun, BackgroundRuns
 from cascadia.gateway.errors import ApiError
 from cascadia.gateway.generation import TokenLogprob
+from cascadia.gateway.metrics import GatewayMetrics
 from cascadia.gateway.response_store import (
     ConversationLost,
     MemoryStore,
@@ -240,9 +242,28 @@ async def _conversation_checks(store) -> None:
     assert lost.value.response_id == "r1"
 
 
+def _background(status: str) -> StoredResponse:
+    return StoredResponse("alice", {"id": "b1", "status": status, "background": True, "output": []}, [])
+
+
+async def _unfinished_checks(store) -> None:
+    assert not await store.replace_unfinished(_background("in_progress"))  # nothing to replace: nothing stored
+    assert await store.get("b1", "alice") is None
+    await store.put(_background("queued"))
+    assert await store.replace_unfinished(_background("in_progress"))
+    assert await store.replace_unfinished(_background("cancelled"))
+    assert not await store.replace_unfinished(_background("completed"))  # the cancel came first
+    assert (await store.get("b1", "alice")).body["status"] == "cancelled"
+    await store.put(_background("queued"))
+    assert await store.delete("b1", "alice")
+    assert not await store.replace_unfinished(_background("completed"))  # deleted: not stored again
+    assert await store.get("b1", "alice") is None
+
+
 def test_the_memory_store_chains_turns_and_gives_up_the_least_recently_used():
     async def run():
         await _conversation_checks(MemoryStore(8))
+        await _unfinished_checks(MemoryStore(8))
         store = MemoryStore(2)
         for n in range(2):
             await store.put(_stored(f"s{n}", None, "x"))
@@ -259,6 +280,7 @@ def test_the_redis_store_chains_turns_expires_them_and_says_when_redis_is_gone(r
     async def run():
         store = RedisStore(url, ttl_s=60)
         await _conversation_checks(store)
+        await _unfinished_checks(store)
         import redis.asyncio as redis
 
         raw = redis.Redis.from_url(url)
@@ -279,9 +301,70 @@ def test_the_redis_store_chains_turns_expires_them_and_says_when_redis_is_gone(r
             await store.get("r2", "alice")
         with pytest.raises(StoreUnavailable):
             await store.put(_stored("r9", None, "x"))
+        with pytest.raises(StoreUnavailable):
+            await store.replace_unfinished(_background("completed"))
         await store.close()
 
     asyncio.run(gone())
+
+
+def test_a_background_run_stores_each_state_and_why_it_stopped():
+    stopped_early = []
+
+    async def events(outcome, gate: asyncio.Event):
+        yield {"type": "response.created"}
+        await gate.wait()
+        yield {"type": "response.output_item.added"}
+        if isinstance(outcome, Exception):
+            raise outcome
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:  # where a generation stops its request on the router
+            stopped_early.append(True)
+            raise
+
+    async def run(outcome, poll_s: float = 0.01):
+        store, released = MemoryStore(), []
+        runs = BackgroundRuns(store, GatewayMetrics(), poll_s=poll_s)
+        queued = _background("queued")
+        await store.put(queued)
+        gate = asyncio.Event()
+        body = queued.body
+        runs.start(
+            BackgroundRun(
+                events(outcome, gate),
+                StoredResponse("alice", body | {"status": "in_progress"}, []),
+                lambda exc: StoredResponse("alice", body | {"status": "failed", "error": exc.code}, []),
+                lambda: released.append(True),
+            )
+        )
+        await asyncio.sleep(0.05)
+        assert (await store.get("b1", "alice")).body["status"] == "queued"  # no output yet
+        gate.set()
+        await asyncio.sleep(0.05)
+        return store, runs, released
+
+    async def failing():
+        store, _, released = await run(ApiError(503, "The fleet is gone.", code="router_unavailable"))
+        assert (await store.get("b1", "alice")).body == {**_background("failed").body, "error": "router_unavailable"}
+        assert released == [True]
+
+    async def cancelled():
+        store, _, released = await run("forever")
+        assert (await store.get("b1", "alice")).body["status"] == "in_progress" and not released
+        await store.replace_unfinished(_background("cancelled"))
+        await asyncio.sleep(0.05)
+        assert released == [True] and stopped_early == [True]
+        assert (await store.get("b1", "alice")).body["status"] == "cancelled"
+
+    async def stopped():
+        store, runs, released = await run("forever", poll_s=3600)
+        await runs.stop()
+        assert (await store.get("b1", "alice")).body["error"] == "gateway_stopped" and released == [True]
+        assert stopped_early == [True, True]
+
+    for case in (failing, cancelled, stopped):
+        asyncio.run(case())
 
 
 @pytest.fixture
@@ -323,7 +406,8 @@ def call(tiny):
         ({"input": "hi", "tool_choice": "required"}, 400, "tool_choice", "tools"),
         ({"input": []}, 400, "input", "no input"),
         ({"input": "hi", "truncation": "middle"}, 400, "truncation", ""),
-        ({"input": "hi", "background": True}, 400, "background", ""),
+        ({"input": "hi", "background": True, "store": False}, 400, "store", "background"),
+        ({"input": "hi", "background": True, "stream": True}, 400, "stream", "poll"),
         ({"input": "hi", "previous_response_id": "resp_unknown"}, 404, "previous_response_id", "resp_unknown"),
         ({"input": "hi", "model": "other"}, 404, "model", "other"),
         ({"input": "hi"}, 503, None, "unavailable"),  # past every check: the router is not there

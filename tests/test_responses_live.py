@@ -25,6 +25,8 @@ WEATHER = {
 TOOL = {"type": "function", "name": "get_weather", "description": "Weather now", "parameters": WEATHER}
 CHAT_TOOL = {"type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}
 BRIEF = "Answer in a few words."
+# on the tiny model this seed's answer runs to its 600 tokens, several seconds: time enough to stop it
+LONG = {"input": "Tell me about the sea.", "max_output_tokens": 600, "temperature": 1, "extra_body": {"seed": 1}}
 
 
 def test_a_response_is_the_engines_greedy_answer_streamed_or_not(live, solo):
@@ -173,6 +175,71 @@ def test_two_gateways_sharing_a_redis_continue_each_others_conversations(live, g
     )  # fmt: skip
     assert went_on.usage.input_tokens_details.cached_tokens > 0
     assert first.responses.retrieve(went_on.id).previous_response_id == opened.id
+
+    # a background response runs on the gateway that took it; any of them polls and cancels it
+    wait_until_free(live)
+    running = first.responses.create(model=MODEL, background=True, **LONG)
+    assert _polled(second, running.id, until=("queued",)).status == "in_progress"
+    assert second.responses.cancel(running.id).status == "cancelled"
+    wait_until_free(live, timeout=2.0)
+    assert first.responses.retrieve(running.id).status == "cancelled"
+    # a gateway that stops leaves its runs failed, not in progress forever
+    stopped = first.responses.create(model=MODEL, background=True, **LONG)
+    wait_until_active(live, 1)
+    process = gateway_process.processes[first_base]
+    process.terminate()
+    process.wait(15)
+    failed = second.responses.retrieve(stopped.id)
+    assert failed.status == "failed" and failed.error.code == "gateway_stopped"
+    wait_until_free(live, timeout=2.0)
+
+
+def _polled(client: openai.OpenAI, response_id: str, timeout: float = 60.0, until=("queued", "in_progress")):
+    """The response once its status leaves `until`."""
+    deadline = time.monotonic() + timeout
+    while (response := client.responses.retrieve(response_id)).status in until:
+        assert time.monotonic() < deadline, f"{response_id} still {response.status}"
+        time.sleep(0.05)
+    return response
+
+
+def test_a_background_response_is_polled_to_the_engines_answer_and_may_be_cancelled(live, solo):
+    client = live.client()
+    wait_until_free(live)
+    asked = {"model": MODEL, "input": "Tell me about the sea.", "temperature": 0}
+    queued = client.responses.create(max_output_tokens=10, background=True, **asked)
+    assert queued.status == "queued" and queued.background and queued.output == []
+    done = _polled(client, queued.id)
+    prompt = live.codec.encode_chat([{"role": "user", "content": "Tell me about the sea."}])
+    assert done.output_text == live.codec.decode(solo(prompt, 10)) and done.background
+    assert done.status in ("completed", "incomplete") and done.usage.input_tokens == len(prompt)
+    assert client.responses.cancel(queued.id).status == done.status  # finished: returned as it is
+    went_on = client.responses.create(model=MODEL, input="Go on.", previous_response_id=queued.id, max_output_tokens=2)
+    assert went_on.usage.input_tokens_details.cached_tokens >= len(prompt)  # a finished one continues as any
+    with pytest.raises(openai.BadRequestError, match="background"):
+        client.responses.cancel(went_on.id)
+
+    long = client.responses.create(model=MODEL, background=True, **LONG)
+    with pytest.raises(openai.BadRequestError, match="still") as refused:  # not before it has finished
+        client.responses.create(model=MODEL, input="More.", previous_response_id=long.id, max_output_tokens=2)
+    assert refused.value.body["param"] == "previous_response_id"
+    assert _polled(client, long.id, until=("queued",)).status == "in_progress"
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and cancelled.id == long.id
+    wait_until_free(live, timeout=2.0)  # stopped on the router well before its 600 tokens
+    assert client.responses.retrieve(long.id).status == "cancelled"
+    assert client.responses.cancel(long.id).status == "cancelled"
+
+    deleted = client.responses.create(model=MODEL, background=True, **LONG)
+    wait_until_active(live, 1)
+    client.responses.delete(deleted.id)  # deleting one in progress stops it, and it is not stored again
+    wait_until_free(live, timeout=2.0)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(deleted.id)
+    for refused_body, param in [({"store": False}, "store"), ({"stream": True}, "stream")]:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(max_output_tokens=2, background=True, **asked, **refused_body)
+        assert refused.value.body["param"] == param
 
 
 def test_a_client_that_leaves_a_streamed_response_frees_its_stream(live):

@@ -562,6 +562,7 @@ def create_app(
         if keys.open:
             log.warning("no API keys configured: the gateway is open to anyone who can reach it")
         yield
+        await background.stop()  # before the router and the store go: each run stores that it failed
         await router.close()
         await responses_store.close()
 
@@ -741,7 +742,7 @@ def create_app(
             usage=choices.usage(),
         )
 
-    add_response_routes(app, gateway, responses_store)
+    background = add_response_routes(app, gateway, responses_store)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

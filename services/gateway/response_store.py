@@ -19,9 +19,23 @@ from typing import Any, Protocol
 DEFAULT_CAPACITY = 1024
 DEFAULT_TTL_S = 24 * 3600  # after its last read; a fleet's Redis is memory, not an archive
 KEY_PREFIX = "cascadia:response:"
+# replace a stored response only while its status is one of ARGV[3:], in one step on the server
+FINISH_SCRIPT = """
+local raw = redis.call('GET', KEYS[1])
+if not raw then return 0 end
+local status = cjson.decode(raw)['body']['status']
+for i = 3, #ARGV do
+  if status == ARGV[i] then
+    redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+    return 1
+  end
+end
+return 0
+"""
 
 
 MAX_TURNS = 4096  # responses one conversation may chain (each turn adds at least a token to the context)
+UNFINISHED = ("queued", "in_progress")  # a background response's states before its last
 
 
 class StoreUnavailable(RuntimeError):
@@ -50,6 +64,10 @@ class StoredResponse:
     def previous(self) -> str | None:
         return self.body.get("previous_response_id")
 
+    @property
+    def unfinished(self) -> bool:
+        return self.body.get("status") in UNFINISHED
+
     def turn(self) -> list[dict[str, Any]]:
         """This response's own items: its input, then its output as a later request gives it back."""
         return [*self.input, *(output_as_input(item) for item in self.body["output"])]
@@ -67,6 +85,13 @@ class ResponseStore(Protocol):
     async def get(self, response_id: str, owner: str) -> StoredResponse | None: ...
 
     async def put(self, stored: StoredResponse) -> None: ...
+
+    async def replace_unfinished(self, stored: StoredResponse) -> bool:
+        """Replace an unfinished background response with `stored`, unless it finished or was deleted first.
+
+        Its run and a cancel (from any gateway) both move a response on this way: whichever finishes it
+        first gives its last state, and a deleted response is not stored again."""
+        ...
 
     async def delete(self, response_id: str, owner: str) -> bool: ...
 
@@ -105,6 +130,13 @@ class MemoryStore:
         self._responses.move_to_end(stored.id)
         while len(self._responses) > self.capacity:
             self._responses.popitem(last=False)
+
+    async def replace_unfinished(self, stored: StoredResponse) -> bool:
+        current = self._responses.get(stored.id)
+        if current is None or not current.unfinished:
+            return False
+        self._responses[stored.id] = stored
+        return True
 
     async def delete(self, response_id: str, owner: str) -> bool:
         stored = self._responses.get(response_id)
@@ -145,6 +177,12 @@ class RedisStore:
         raw = json.dumps(asdict(stored), separators=(",", ":"))
         with _answering():
             await self._redis.set(KEY_PREFIX + stored.id, raw, ex=self.ttl_s)
+
+    async def replace_unfinished(self, stored: StoredResponse) -> bool:
+        raw = json.dumps(asdict(stored), separators=(",", ":"))
+        with _answering():
+            done = await self._redis.eval(FINISH_SCRIPT, 1, KEY_PREFIX + stored.id, raw, self.ttl_s, *UNFINISHED)
+        return bool(done)
 
     async def delete(self, response_id: str, owner: str) -> bool:
         if await self.get(response_id, owner) is None:

@@ -14,7 +14,8 @@ from fastapi import FastAPI, Query, Request
 from starlette.convertors import StringConvertor, register_url_convertor
 
 from cascadia.gateway.auth import Key
-from cascadia.gateway.errors import ApiError
+from cascadia.gateway.background import BackgroundRun, BackgroundRuns
+from cascadia.gateway.errors import ApiError, bad_request
 from cascadia.gateway.response_store import (
     ConversationLost,
     ResponseStore,
@@ -63,7 +64,7 @@ TOO_LONG = ("prompt_too_long", "context_length_exceeded")  # the codes a shorter
 MAX_LISTED_ITEMS = 100
 
 
-def _event(event: dict[str, Any]) -> str:
+def _sse(event: dict[str, Any]) -> str:
     return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
 
 
@@ -102,6 +103,7 @@ def _started(body: ResponseRequest, prepared: PreparedChat, model: str, keep: bo
         text={"format": shape.model_dump(by_alias=True, exclude_none=True) if shape else {"type": "text"}},
         truncation=body.truncation or "disabled",
         store=keep,
+        background=bool(body.background),
         metadata=body.metadata or {},
         user=body.user,
     )
@@ -166,6 +168,12 @@ async def _earlier_turns(store: ResponseStore, body: ResponseInput, key: str) ->
         previous = await store.get(body.previous_response_id, key)
     if previous is None:
         raise _not_found(body.previous_response_id, "previous_response_id")
+    if previous.unfinished:
+        raise bad_request(
+            f"Response '{previous.id}' is still {previous.body['status']}: continue it once it has finished.",
+            "previous_response_id",
+            "response_unfinished",
+        )
     try:
         with _store_answering():
             return await conversation(store, previous)
@@ -179,14 +187,22 @@ async def _earlier_turns(store: ResponseStore, body: ResponseInput, key: str) ->
         ) from None
 
 
-def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) -> None:
+def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) -> BackgroundRuns:
+    """The Responses API's routes; what they return runs the background responses (stop it on shutdown)."""
     errors = error_responses(400, 401, 404, 413, 429, 503)
     events = {200: {"content": {"text/event-stream": {}}}}
+    runs = BackgroundRuns(store, gateway.metrics)
 
     @app.post("/v1/responses", response_model=ResponseBody, responses={**errors, **events})
     async def create_response(body: ResponseRequest, request: Request, key: Key) -> Any:
         gateway.check_model(body.model)
         refuse_unsupported(body)
+        if body.background and body.store is False:
+            raise bad_request("A background response is stored, to be polled: it cannot have store: false.", "store")
+        if body.background and body.stream:
+            raise bad_request(
+                "Background responses are not streamed here: poll GET /v1/responses/{id} instead.", "stream"
+            )
         context = await _earlier_turns(store, body, key)
         items = input_items(body)
         prepared = gateway.start_chat(*render_response(gateway, body, context + items), "resp_")
@@ -194,28 +210,75 @@ def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) ->
         started = _started(body, prepared, gateway.config.model_name, keep)
         builder = OutputBuilder(wants_logprobs=body.wants_logprobs)
 
+        def as_stored(response: ResponseBody) -> StoredResponse:
+            return StoredResponse(key, response.model_dump(mode="json"), items)
+
         async def stored(response: ResponseBody) -> ResponseBody:
             """The response, stored when asked: the answer is given even when the store fails to keep it."""
             if keep:
                 try:
-                    await store.put(StoredResponse(key, response.model_dump(mode="json"), items))
+                    await store.put(as_stored(response))
                 except StoreUnavailable as exc:
                     gateway.metrics.errors.labels("store_unavailable").inc()
                     log.warning("response %s was not stored: %s", response.id, exc)
             return response
 
         gateway.limiter.acquire(key)
+        release = functools.partial(gateway.limiter.release, key)
+        if body.background:
+            queued = started.model_copy(update={"status": "queued"})
+            try:
+                with _store_answering():
+                    await store.put(as_stored(queued))
+            except ApiError:
+                release()
+                raise
+
+            async def finished(response: ResponseBody) -> ResponseBody:
+                await runs.keep(as_stored(response))
+                return response
+
+            runs.start(
+                BackgroundRun(
+                    _events(prepared, started, builder, finished),
+                    as_stored(started),
+                    lambda exc: as_stored(_failed_body(started, exc)),
+                    release,
+                )
+            )
+            return queued
         if body.stream:
-            events = _events(prepared, started, builder, stored)
+            sse = (_sse(event) async for event in _events(prepared, started, builder, stored))
             failed = functools.partial(_failed, started, builder)
-            release = functools.partial(gateway.limiter.release, key)
-            return watched_stream(request, prepared.choices, events, failed, release, gateway.metrics)
-        await run_watched(request, prepared.choices, functools.partial(gateway.limiter.release, key))
+            return watched_stream(request, prepared.choices, sse, failed, release, gateway.metrics)
+        await run_watched(request, prepared.choices, release)
         generation = prepared.choices.generations[0]
         parts, finish = AnswerReader(prepared.tools).parts(generation.text, generation.finish_reason or "stop")
         builder.feed(parts, generation.logprobs)
         builder.finish(finish)
         return await stored(_finished(started, prepared, builder))
+
+    @app.post(
+        "/v1/responses/{response_id:response_id}/cancel",
+        response_model=ResponseBody,
+        responses=error_responses(400, 401, 404, 503),
+    )
+    async def cancel_response(response_id: str, key: Key) -> Any:
+        """Stop a background response that is queued or in progress; a finished one is returned as it is."""
+        with _store_answering():
+            stored = await store.get(response_id, key)
+            if stored is None:
+                raise _not_found(response_id)
+            if not stored.body.get("background"):
+                raise bad_request(f"Response '{response_id}' was not created with background: true.", None)
+            if stored.unfinished:
+                cancelled = StoredResponse(key, stored.body | {"status": "cancelled"}, stored.input)
+                if await store.replace_unfinished(cancelled):
+                    return cancelled.body
+                stored = await store.get(response_id, key)  # its run finished it first
+                if stored is None:
+                    raise _not_found(response_id)
+        return stored.body
 
     @app.post(
         "/v1/responses/input_tokens", response_model=InputTokenCount, responses=error_responses(400, 401, 404, 503)
@@ -294,14 +357,22 @@ def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) ->
             has_more=len(items) > limit,
         )
 
+    return runs
+
+
+def _failed_body(started: ResponseBody, exc: ApiError) -> ResponseBody:
+    code = exc.code or exc.type
+    return ResponseBody.model_validate(
+        started.model_dump() | {"status": "failed", "error": {"code": code, "message": exc.message}}
+    )
+
 
 def _failed(started: ResponseBody, builder: OutputBuilder, exc: ApiError) -> list[str]:
     """The events of a response the fleet failed after its first events were sent."""
-    code = exc.code or exc.type
-    failed = started.model_dump() | {"status": "failed", "error": {"code": code, "message": exc.message}}
+    failed = _failed_body(started, exc).model_dump(mode="json")
     return [
-        _event(builder.event("error", code=code, message=exc.message, param=exc.param)),
-        _event(builder.event("response.failed", response=ResponseBody.model_validate(failed).model_dump(mode="json"))),
+        _sse(builder.event("error", code=exc.code or exc.type, message=exc.message, param=exc.param)),
+        _sse(builder.event("response.failed", response=failed)),
     ]
 
 
@@ -310,19 +381,19 @@ async def _events(
     started: ResponseBody,
     builder: OutputBuilder,
     stored: Callable[[ResponseBody], Awaitable[ResponseBody]],
-) -> AsyncIterator[str]:
+) -> AsyncIterator[dict[str, Any]]:
     """The response's events: created, its items as they arrive, and completed (or incomplete)."""
     reader = AnswerReader(prepared.tools)
     snapshot = started.model_dump(mode="json")
-    yield _event(builder.event("response.created", response=snapshot))
-    yield _event(builder.event("response.in_progress", response=snapshot))
+    yield builder.event("response.created", response=snapshot)
+    yield builder.event("response.in_progress", response=snapshot)
     finish: str | None = None
     async for _, delta in prepared.choices.deltas():
         parts, finish = reader.parts(delta.text, delta.finish_reason)
         for event in builder.feed(parts, delta.tokens):
-            yield _event(event)
+            yield event
     for event in builder.finish(finish):
-        yield _event(event)
+        yield event
     final = await stored(_finished(started, prepared, builder))
     kind = "response.incomplete" if final.status == "incomplete" else "response.completed"
-    yield _event(builder.event(kind, response=final.model_dump(mode="json")))
+    yield builder.event(kind, response=final.model_dump(mode="json"))

@@ -162,6 +162,12 @@ class ResponseRequest(ResponseInput):
     )
     stream: bool | None = False
     stream_options: ResponseStreamOptions | None = None
+    background: bool | None = Field(
+        None,
+        description="Answer at once with the response queued, and generate it apart from this request: poll "
+        "GET /v1/responses/{id} until its status is no longer queued or in_progress; cancel it with POST "
+        "/v1/responses/{id}/cancel. Needs store.",
+    )
     metadata: (
         Annotated[
             dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
@@ -249,7 +255,7 @@ class ResponseBody(BaseModel):
     object: Literal["response"] = "response"
     created_at: int
     completed_at: int | None = None
-    status: Literal["in_progress", "completed", "incomplete", "failed", "cancelled"]
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
     model: str
     output: list[OutputItem]
     usage: ResponseUsage | None = None
@@ -267,6 +273,7 @@ class ResponseBody(BaseModel):
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
     truncation: Literal["auto", "disabled"] = "disabled"
     store: bool = True
+    background: bool = False
     metadata: dict[str, str] = Field(default_factory=dict)
     user: str | None = None
 
