@@ -260,10 +260,22 @@ async def _unfinished_checks(store) -> None:
     assert await store.get("b1", "alice") is None
 
 
+async def _event_checks(store) -> None:
+    await store.put(_background("queued"))
+    for n in range(5):
+        await store.add_event("b1", {"type": "response.output_text.delta", "sequence_number": n})
+    assert [e["sequence_number"] for e in await store.events_after("b1", -1)] == [0, 1, 2, 3, 4]
+    assert [e["sequence_number"] for e in await store.events_after("b1", 2)] == [3, 4]
+    assert await store.events_after("b1", 4) == []
+    assert await store.delete("b1", "alice")
+    assert await store.events_after("b1", -1) == []  # deleted with its response
+
+
 def test_the_memory_store_chains_turns_and_gives_up_the_least_recently_used():
     async def run():
         await _conversation_checks(MemoryStore(8))
         await _unfinished_checks(MemoryStore(8))
+        await _event_checks(MemoryStore(8))
         store = MemoryStore(2)
         for n in range(2):
             await store.put(_stored(f"s{n}", None, "x"))
@@ -281,6 +293,7 @@ def test_the_redis_store_chains_turns_expires_them_and_says_when_redis_is_gone(r
         store = RedisStore(url, ttl_s=60)
         await _conversation_checks(store)
         await _unfinished_checks(store)
+        await _event_checks(store)
         import redis.asyncio as redis
 
         raw = redis.Redis.from_url(url)
@@ -312,9 +325,9 @@ def test_a_background_run_stores_each_state_and_why_it_stopped():
     stopped_early = []
 
     async def events(outcome, gate: asyncio.Event):
-        yield {"type": "response.created"}
+        yield {"type": "response.created", "sequence_number": 0}
         await gate.wait()
-        yield {"type": "response.output_item.added"}
+        yield {"type": "response.output_item.added", "sequence_number": 1}
         if isinstance(outcome, Exception):
             raise outcome
         try:
@@ -323,8 +336,11 @@ def test_a_background_run_stores_each_state_and_why_it_stopped():
             stopped_early.append(True)
             raise
 
-    async def run(outcome, poll_s: float = 0.01):
-        store, released = MemoryStore(), []
+    def failed_events(exc):
+        return [{"type": "error", "sequence_number": 2}, {"type": "response.failed", "sequence_number": 3}]
+
+    async def run(outcome, poll_s: float = 0.01, keep_events: bool = False, store=None, started=None):
+        store, released = store or MemoryStore(), []
         runs = BackgroundRuns(store, GatewayMetrics(), poll_s=poll_s)
         queued = _background("queued")
         await store.put(queued)
@@ -336,8 +352,11 @@ def test_a_background_run_stores_each_state_and_why_it_stopped():
                 StoredResponse("alice", body | {"status": "in_progress"}, []),
                 lambda exc: StoredResponse("alice", body | {"status": "failed", "error": exc.code}, []),
                 lambda: released.append(True),
+                failed_events if keep_events else None,
             )
         )
+        if started is not None:
+            await started(runs)
         await asyncio.sleep(0.05)
         assert (await store.get("b1", "alice")).body["status"] == "queued"  # no output yet
         gate.set()
@@ -363,7 +382,26 @@ def test_a_background_run_stores_each_state_and_why_it_stopped():
         assert (await store.get("b1", "alice")).body["error"] == "gateway_stopped" and released == [True]
         assert stopped_early == [True, True]
 
-    for case in (failing, cancelled, stopped):
+    async def followed():
+        followers = []
+
+        async def gathered(runs, after):
+            return [event async for event in runs.follow("b1", "alice", after)]
+
+        async def start_following(runs):  # from the first event, and from the second, while the run goes on
+            followers.extend(asyncio.ensure_future(gathered(runs, after)) for after in (-1, 0))
+
+        store, runs, _ = await run(
+            ApiError(503, "gone", code="router_unavailable"), keep_events=True, started=start_following
+        )
+        first, second = await asyncio.gather(*followers)
+        assert [e["sequence_number"] for e in first] == [0, 1, 2, 3] and first[-1]["type"] == "response.failed"
+        assert [e["sequence_number"] for e in second] == [1, 2, 3]
+        assert await gathered(runs, 3) == []  # after its last: nothing more
+        await store.delete("b1", "alice")
+        assert await store.events_after("b1", -1) == []  # deleted with its response
+
+    for case in (failing, cancelled, stopped, followed):
         asyncio.run(case())
 
 
@@ -407,7 +445,6 @@ def call(tiny):
         ({"input": []}, 400, "input", "no input"),
         ({"input": "hi", "truncation": "middle"}, 400, "truncation", ""),
         ({"input": "hi", "background": True, "store": False}, 400, "store", "background"),
-        ({"input": "hi", "background": True, "stream": True}, 400, "stream", "poll"),
         ({"input": "hi", "previous_response_id": "resp_unknown"}, 404, "previous_response_id", "resp_unknown"),
         ({"input": "hi", "model": "other"}, 404, "model", "other"),
         ({"input": "hi"}, 503, None, "unavailable"),  # past every check: the router is not there

@@ -176,7 +176,16 @@ def test_two_gateways_sharing_a_redis_continue_each_others_conversations(live, g
     assert went_on.usage.input_tokens_details.cached_tokens > 0
     assert first.responses.retrieve(went_on.id).previous_response_id == opened.id
 
-    # a background response runs on the gateway that took it; any of them polls and cancels it
+    # a background response runs on the gateway that took it; any of them follows, polls and cancels it
+    streamed = first.responses.create(
+        model=MODEL, instructions=BRIEF, input="Name a sea.", max_output_tokens=8, temperature=0,
+        background=True, stream=True,
+    )  # fmt: skip
+    created = next(iter(streamed))
+    streamed.close()
+    followed = list(second.responses.retrieve(created.response.id, stream=True))
+    assert [e.type for e in followed][:2] == ["response.created", "response.in_progress"]
+    assert followed[-1].response.output_text == opened.output_text
     wait_until_free(live)
     running = first.responses.create(model=MODEL, background=True, **LONG)
     assert _polled(second, running.id, until=("queued",)).status == "in_progress"
@@ -236,10 +245,38 @@ def test_a_background_response_is_polled_to_the_engines_answer_and_may_be_cancel
     wait_until_free(live, timeout=2.0)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(deleted.id)
-    for refused_body, param in [({"store": False}, "store"), ({"stream": True}, "stream")]:
-        with pytest.raises(openai.BadRequestError) as refused:
-            client.responses.create(max_output_tokens=2, background=True, **asked, **refused_body)
-        assert refused.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(max_output_tokens=2, background=True, store=False, **asked)
+    assert refused.value.body["param"] == "store"
+
+
+def test_a_background_stream_outlives_its_client_and_is_followed_again_from_where_it_left(live):
+    client = live.client()
+    wait_until_free(live)
+    seen = []
+    with client.responses.create(model=MODEL, background=True, stream=True, **LONG) as stream:
+        for event in stream:
+            seen.append(event)
+            if sum(e.type == "response.output_text.delta" for e in seen) == 5:
+                break
+    created = seen[0]
+    assert created.type == "response.created" and created.response.status == "queued" and created.response.background
+    time.sleep(0.3)
+    assert router_stats(live).active_streams == 1  # its client left: the run goes on
+    rest = list(client.responses.retrieve(created.response.id, stream=True, starting_after=seen[-1].sequence_number))
+    assert [e.sequence_number for e in seen + rest] == list(range(len(seen) + len(rest)))
+    text = "".join(e.delta for e in seen + rest if e.type == "response.output_text.delta")
+    final = client.responses.retrieve(created.response.id)
+    assert rest[-1].type == "response.incomplete" and final.status == "incomplete"
+    assert final.output_text == text == rest[-1].response.output_text and final.usage.output_tokens == 600
+    again = list(client.responses.retrieve(created.response.id, stream=True))  # from the first event, all of it
+    assert [e.sequence_number for e in again] == list(range(len(again))) and again[-1].type == "response.incomplete"
+    polled_only = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, background=True)
+    plain = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    for response_id in (polled_only.id, plain.id):  # only a background stream's events are kept
+        with pytest.raises(openai.BadRequestError, match="stream"):
+            client.responses.retrieve(response_id, stream=True)
+    _polled(client, polled_only.id)
 
 
 def test_a_client_that_leaves_a_streamed_response_frees_its_stream(live):

@@ -4,11 +4,16 @@ The response is stored queued and answered at once; its run moves it to in_progr
 and to its last state when it ends. Every state goes through the store, so any gateway sharing it
 answers a poll, a cancel or a delete: the run looks at its stored state every `poll_s` seconds and stops
 its generation on the router once the response was cancelled or deleted.
+
+A background response asked with `stream: true` keeps its stream's events in the store as well, and its
+stream is followed from there: by the request that created it (whose leaving stops nothing) and by any
+client that follows it again from a sequence number, on any gateway.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -21,6 +26,7 @@ from cascadia.gateway.response_store import ResponseStore, StoredResponse, Store
 log = logging.getLogger("cascadia.gateway")
 
 POLL_S = 0.25
+LAST_EVENTS = ("response.completed", "response.incomplete", "response.failed")
 STOPPED = ApiError(503, "The gateway stopped before the response finished.", "server_error", code="gateway_stopped")
 
 
@@ -30,6 +36,7 @@ class BackgroundRun:
     in_progress: StoredResponse  # as stored once the first output arrives
     failed: Callable[[ApiError], StoredResponse]  # as stored when the run fails
     release: Callable[[], None]  # gives back the key's concurrency place
+    failed_events: Callable[[ApiError], list[dict[str, Any]]] | None = None  # set: its events are kept
 
     @property
     def id(self) -> str:
@@ -44,9 +51,51 @@ class BackgroundRuns:
     metrics: GatewayMetrics
     poll_s: float = POLL_S
     _tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    _added: dict[str, asyncio.Event] = field(default_factory=dict)  # set when a local run adds an event
 
     def start(self, run: BackgroundRun) -> None:
+        if run.failed_events is not None:
+            self._added[run.id] = asyncio.Event()
         self._tasks[run.id] = asyncio.ensure_future(self._run(run))
+
+    async def follow(self, response_id: str, owner: str, after: int = -1) -> AsyncIterator[dict[str, Any]]:
+        """A background response's kept events after sequence number `after`, then each as it is added,
+        to its last (or until the response is cancelled, deleted or fails without one)."""
+        while True:
+            added = self._added.get(response_id)  # taken before reading: an event added after wakes us
+            events = await self.store.events_after(response_id, after)
+            for event in events:
+                yield event
+                after = event["sequence_number"]
+                if event["type"] in LAST_EVENTS:
+                    return
+            if not events:
+                stored = await self.store.get(response_id, owner)
+                if stored is None or not stored.unfinished:
+                    for event in await self.store.events_after(response_id, after):
+                        yield event  # added between the two reads
+                    return
+            if added is None:  # run by another gateway: only the store tells
+                await asyncio.sleep(self.poll_s)
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(added.wait(), self.poll_s)
+
+    def _tell_followers(self, response_id: str, last: bool = False) -> None:
+        added = self._added.pop(response_id, None)
+        if added is not None:
+            added.set()
+            if not last:
+                self._added[response_id] = asyncio.Event()
+
+    async def _add_events(self, run: BackgroundRun, events: list[dict[str, Any]]) -> None:
+        try:
+            for event in events:
+                await self.store.add_event(run.id, event)
+        except StoreUnavailable as exc:
+            self.metrics.errors.labels("store_unavailable").inc()
+            log.warning("background response %s: an event could not be stored: %s", run.id, exc)
+        self._tell_followers(run.id)
 
     async def keep(self, stored: StoredResponse) -> bool:
         """Store a background response's next state (False if it had finished or was deleted first)."""
@@ -77,6 +126,12 @@ class BackgroundRuns:
             if not announced and event["type"] == "response.output_item.added":
                 announced = True
                 await self.keep(run.in_progress)
+            if run.failed_events is not None:
+                await self._add_events(run, [event])
+
+    async def _fail(self, run: BackgroundRun, error: ApiError) -> None:
+        if await self.keep(run.failed(error)) and run.failed_events is not None:
+            await self._add_events(run, run.failed_events(error))
 
     async def _run(self, run: BackgroundRun) -> None:
         consume = asyncio.ensure_future(self._consume(run))
@@ -93,12 +148,13 @@ class BackgroundRuns:
                     log.error("background response %s failed", run.id, exc_info=error)
                     error = ApiError(500, f"{type(error).__name__}: {error}", "server_error", code="server_error")
                 self.metrics.errors.labels(error.code or error.type).inc()
-                await self.keep(run.failed(error))
+                await self._fail(run, error)
         except asyncio.CancelledError:
             consume.cancel()
             await asyncio.gather(consume, return_exceptions=True)
-            await self.keep(run.failed(STOPPED))
+            await self._fail(run, STOPPED)
             raise
         finally:
             run.release()
             self._tasks.pop(run.id, None)
+            self._tell_followers(run.id, last=True)

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 DEFAULT_CAPACITY = 1024
 DEFAULT_TTL_S = 24 * 3600  # after its last read; a fleet's Redis is memory, not an archive
 KEY_PREFIX = "cascadia:response:"
+EVENTS_PREFIX = "cascadia:response-events:"
 # replace a stored response only while its status is one of ARGV[3:], in one step on the server
 FINISH_SCRIPT = """
 local raw = redis.call('GET', KEYS[1])
@@ -55,6 +56,7 @@ class StoredResponse:
     owner: str  # the key id that created it
     body: dict[str, Any]  # the response as it was returned
     input: list[dict[str, Any]]  # the input items it was given
+    streamed: bool = False  # a background response whose stream's events are kept
 
     @property
     def id(self) -> str:
@@ -95,6 +97,15 @@ class ResponseStore(Protocol):
 
     async def delete(self, response_id: str, owner: str) -> bool: ...
 
+    async def add_event(self, response_id: str, event: dict[str, Any]) -> None:
+        """Keep a background response's next stream event (its sequence number is its place), so that a
+        client may follow the stream again from any gateway."""
+        ...
+
+    async def events_after(self, response_id: str, after: int) -> list[dict[str, Any]]:
+        """A background response's events whose sequence numbers come after `after`, in order."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -117,6 +128,7 @@ class MemoryStore:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._events: dict[str, list[dict[str, Any]]] = {}  # of stored responses only
 
     async def get(self, response_id: str, owner: str) -> StoredResponse | None:
         stored = self._responses.get(response_id)
@@ -129,7 +141,8 @@ class MemoryStore:
         self._responses[stored.id] = stored
         self._responses.move_to_end(stored.id)
         while len(self._responses) > self.capacity:
-            self._responses.popitem(last=False)
+            evicted, _ = self._responses.popitem(last=False)
+            self._events.pop(evicted, None)
 
     async def replace_unfinished(self, stored: StoredResponse) -> bool:
         current = self._responses.get(stored.id)
@@ -143,10 +156,19 @@ class MemoryStore:
         if stored is None or stored.owner != owner:
             return False
         del self._responses[response_id]
+        self._events.pop(response_id, None)
         return True
+
+    async def add_event(self, response_id: str, event: dict[str, Any]) -> None:
+        if response_id in self._responses:
+            self._events.setdefault(response_id, []).append(event)
+
+    async def events_after(self, response_id: str, after: int) -> list[dict[str, Any]]:
+        return self._events.get(response_id, [])[max(after + 1, 0) :]
 
     async def close(self) -> None:
         self._responses.clear()
+        self._events.clear()
 
 
 class RedisStore:
@@ -188,7 +210,24 @@ class RedisStore:
         if await self.get(response_id, owner) is None:
             return False
         with _answering():
-            return bool(await self._redis.delete(KEY_PREFIX + response_id))
+            return bool(await self._redis.delete(KEY_PREFIX + response_id, EVENTS_PREFIX + response_id))
+
+    async def add_event(self, response_id: str, event: dict[str, Any]) -> None:
+        key = EVENTS_PREFIX + response_id
+        with _answering():
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.rpush(key, json.dumps(event, separators=(",", ":")))
+                pipe.expire(key, self.ttl_s)
+                await pipe.execute()
+
+    async def events_after(self, response_id: str, after: int) -> list[dict[str, Any]]:
+        key = EVENTS_PREFIX + response_id
+        with _answering():
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.lrange(key, max(after + 1, 0), -1)
+                pipe.expire(key, self.ttl_s)  # read: kept as long as the response
+                raw, _ = await pipe.execute()
+        return [json.loads(event) for event in raw]
 
     async def close(self) -> None:
         await self._redis.aclose()

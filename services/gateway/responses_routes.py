@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -11,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Query, Request
+from fastapi.responses import StreamingResponse
 from starlette.convertors import StringConvertor, register_url_convertor
 
 from cascadia.gateway.auth import Key
@@ -43,7 +45,7 @@ from cascadia.gateway.responses_schemas import (
 )
 from cascadia.gateway.schemas import error_responses
 from cascadia.gateway.tools import AnswerReader
-from cascadia.gateway.watch import run_watched, watched_stream
+from cascadia.gateway.watch import SSE_HEADERS, run_watched, watched_stream
 
 if TYPE_CHECKING:
     from cascadia.gateway.app import Gateway, PreparedChat, RenderedChat
@@ -199,10 +201,6 @@ def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) ->
         refuse_unsupported(body)
         if body.background and body.store is False:
             raise bad_request("A background response is stored, to be polled: it cannot have store: false.", "store")
-        if body.background and body.stream:
-            raise bad_request(
-                "Background responses are not streamed here: poll GET /v1/responses/{id} instead.", "stream"
-            )
         context = await _earlier_turns(store, body, key)
         items = input_items(body)
         prepared = gateway.start_chat(*render_response(gateway, body, context + items), "resp_")
@@ -211,7 +209,7 @@ def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) ->
         builder = OutputBuilder(wants_logprobs=body.wants_logprobs)
 
         def as_stored(response: ResponseBody) -> StoredResponse:
-            return StoredResponse(key, response.model_dump(mode="json"), items)
+            return StoredResponse(key, response.model_dump(mode="json"), items, bool(body.background and body.stream))
 
         async def stored(response: ResponseBody) -> ResponseBody:
             """The response, stored when asked: the answer is given even when the store fails to keep it."""
@@ -240,12 +238,15 @@ def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) ->
 
             runs.start(
                 BackgroundRun(
-                    _events(prepared, started, builder, finished),
+                    _events(prepared, started, builder, finished, created=queued),
                     as_stored(started),
                     lambda exc: as_stored(_failed_body(started, exc)),
                     release,
+                    functools.partial(_failed_events, started, builder) if body.stream else None,
                 )
             )
+            if body.stream:  # followed from the store: a client that leaves stops nothing
+                return _followed(runs.follow(started.id, key), gateway)
             return queued
         if body.stream:
             sse = (_sse(event) async for event in _events(prepared, started, builder, stored))
@@ -272,7 +273,7 @@ def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) ->
             if not stored.body.get("background"):
                 raise bad_request(f"Response '{response_id}' was not created with background: true.", None)
             if stored.unfinished:
-                cancelled = StoredResponse(key, stored.body | {"status": "cancelled"}, stored.input)
+                cancelled = dataclasses.replace(stored, body=stored.body | {"status": "cancelled"})
                 if await store.replace_unfinished(cancelled):
                     return cancelled.body
                 stored = await store.get(response_id, key)  # its run finished it first
@@ -306,14 +307,29 @@ def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) ->
         return InputTokenCount(input_tokens=len(prompt.ids))
 
     @app.get(
-        "/v1/responses/{response_id:response_id}", response_model=ResponseBody, responses=error_responses(401, 404, 503)
+        "/v1/responses/{response_id:response_id}",
+        response_model=ResponseBody,
+        responses={**error_responses(400, 401, 404, 503), **events},
     )
-    async def retrieve_response(response_id: str, key: Key) -> Any:
+    async def retrieve_response(
+        response_id: str,
+        key: Key,
+        stream: bool = Query(False, description="Follow a background response's stream (created with stream)."),
+        starting_after: int = Query(
+            -1, ge=-1, description="With stream: the events after this sequence number (-1: from the first)."
+        ),
+    ) -> Any:
         with _store_answering():
             stored = await store.get(response_id, key)
         if stored is None:
             raise _not_found(response_id)
-        return stored.body
+        if not stream:
+            return stored.body
+        if not stored.streamed:
+            raise bad_request(
+                f"Response '{response_id}' was not created with background: true and stream: true.", "stream"
+            )
+        return _followed(runs.follow(response_id, key, starting_after), gateway)
 
     @app.delete(
         "/v1/responses/{response_id:response_id}",
@@ -367,13 +383,31 @@ def _failed_body(started: ResponseBody, exc: ApiError) -> ResponseBody:
     )
 
 
-def _failed(started: ResponseBody, builder: OutputBuilder, exc: ApiError) -> list[str]:
+def _failed_events(started: ResponseBody, builder: OutputBuilder, exc: ApiError) -> list[dict[str, Any]]:
     """The events of a response the fleet failed after its first events were sent."""
     failed = _failed_body(started, exc).model_dump(mode="json")
     return [
-        _sse(builder.event("error", code=exc.code or exc.type, message=exc.message, param=exc.param)),
-        _sse(builder.event("response.failed", response=failed)),
+        builder.event("error", code=exc.code or exc.type, message=exc.message, param=exc.param),
+        builder.event("response.failed", response=failed),
     ]
+
+
+def _failed(started: ResponseBody, builder: OutputBuilder, exc: ApiError) -> list[str]:
+    return [_sse(event) for event in _failed_events(started, builder, exc)]
+
+
+def _followed(events: AsyncIterator[dict[str, Any]], gateway: Gateway) -> StreamingResponse:
+    """A background response's events as a stream; a store that stops answering ends it."""
+
+    async def stream() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield _sse(event)
+        except StoreUnavailable as exc:
+            gateway.metrics.errors.labels("store_unavailable").inc()
+            log.warning("a background response's stream ended: %s", exc)
+
+    return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 async def _events(
@@ -381,11 +415,13 @@ async def _events(
     started: ResponseBody,
     builder: OutputBuilder,
     stored: Callable[[ResponseBody], Awaitable[ResponseBody]],
+    created: ResponseBody | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
-    """The response's events: created, its items as they arrive, and completed (or incomplete)."""
+    """The response's events: `created` (default: as started), its items as they arrive, and completed (or
+    incomplete)."""
     reader = AnswerReader(prepared.tools)
     snapshot = started.model_dump(mode="json")
-    yield builder.event("response.created", response=snapshot)
+    yield builder.event("response.created", response=(created or started).model_dump(mode="json"))
     yield builder.event("response.in_progress", response=snapshot)
     finish: str | None = None
     async for _, delta in prepared.choices.deltas():
