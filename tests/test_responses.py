@@ -17,6 +17,7 @@ from cascadia.gateway.errors import ApiError
 from cascadia.gateway.generation import TokenLogprob
 from cascadia.gateway.metrics import GatewayMetrics
 from cascadia.gateway.response_store import (
+    EVENT_LOGS,
     ConversationLost,
     MemoryStore,
     RedisStore,
@@ -276,6 +277,11 @@ def test_the_memory_store_chains_turns_and_gives_up_the_least_recently_used():
         await _conversation_checks(MemoryStore(8))
         await _unfinished_checks(MemoryStore(8))
         await _event_checks(MemoryStore(8))
+        many = MemoryStore(EVENT_LOGS + 8)  # a gateway alone keeps the events of its latest streams only
+        for n in range(EVENT_LOGS + 2):
+            await many.put(StoredResponse("alice", {"id": f"m{n}", "status": "queued", "output": []}, []))
+            await many.add_event(f"m{n}", {"type": "response.created", "sequence_number": 0})
+        assert [len(await many.events_after(f"m{n}", -1)) for n in (0, 1, 2, EVENT_LOGS + 1)] == [0, 0, 1, 1]
         store = MemoryStore(2)
         for n in range(2):
             await store.put(_stored(f"s{n}", None, "x"))

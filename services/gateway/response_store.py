@@ -9,6 +9,7 @@ belongs to the API key that created it: another key finds nothing.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 from collections import OrderedDict
@@ -17,6 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 DEFAULT_CAPACITY = 1024
+EVENT_LOGS = 64  # background streams whose events a gateway alone keeps
 DEFAULT_TTL_S = 24 * 3600  # after its last read; a fleet's Redis is memory, not an archive
 KEY_PREFIX = "cascadia:response:"
 EVENTS_PREFIX = "cascadia:response-events:"
@@ -128,7 +130,9 @@ class MemoryStore:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
-        self._events: dict[str, list[dict[str, Any]]] = {}  # of stored responses only
+        # background streams' events, of the most recently started EVENT_LOGS only: a long answer's events
+        # take far more memory than its response
+        self._events: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
 
     async def get(self, response_id: str, owner: str) -> StoredResponse | None:
         stored = self._responses.get(response_id)
@@ -160,11 +164,17 @@ class MemoryStore:
         return True
 
     async def add_event(self, response_id: str, event: dict[str, Any]) -> None:
-        if response_id in self._responses:
-            self._events.setdefault(response_id, []).append(event)
+        if response_id not in self._responses:
+            return
+        if response_id not in self._events:
+            self._events[response_id] = []
+            while len(self._events) > EVENT_LOGS:
+                self._events.popitem(last=False)
+        self._events[response_id].append(event)
 
     async def events_after(self, response_id: str, after: int) -> list[dict[str, Any]]:
-        return self._events.get(response_id, [])[max(after + 1, 0) :]
+        log = self._events.get(response_id, [])
+        return log[bisect.bisect_right(log, after, key=lambda event: event["sequence_number"]) :]
 
     async def close(self) -> None:
         self._responses.clear()
