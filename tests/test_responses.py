@@ -300,6 +300,10 @@ def test_the_redis_store_chains_turns_expires_them_and_says_when_redis_is_gone(r
         await _conversation_checks(store)
         await _unfinished_checks(store)
         await _event_checks(store)
+        await store.hold("b1", 0.2)
+        assert await store.held("b1")
+        await asyncio.sleep(0.3)
+        assert not await store.held("b1")
         import redis.asyncio as redis
 
         raw = redis.Redis.from_url(url)
@@ -322,6 +326,8 @@ def test_the_redis_store_chains_turns_expires_them_and_says_when_redis_is_gone(r
             await store.put(_stored("r9", None, "x"))
         with pytest.raises(StoreUnavailable):
             await store.replace_unfinished(_background("completed"))
+        with pytest.raises(StoreUnavailable):
+            await store.held("b1")
         await store.close()
 
     asyncio.run(gone())
@@ -407,7 +413,21 @@ def test_a_background_run_stores_each_state_and_why_it_stopped():
         await store.delete("b1", "alice")
         assert await store.events_after("b1", -1) == []  # deleted with its response
 
-    for case in (failing, cancelled, stopped, followed):
+    async def lost():
+        store = MemoryStore()
+        runs = BackgroundRuns(store, GatewayMetrics())
+        await store.hold("b1", 0.05)
+        await store.put(_background("in_progress"))
+        assert (await runs.settled(await store.get("b1", "alice"))).body["status"] == "in_progress"  # held
+        await asyncio.sleep(0.1)  # its gateway said nothing more
+        lost = await runs.settled(await store.get("b1", "alice"))
+        assert lost.body["status"] == "failed" and lost.body["error"]["code"] == "gateway_lost"
+        assert (await store.get("b1", "alice")).body == lost.body
+        assert [e async for e in runs.follow("b1", "alice")] == []  # nothing more will come
+        finished = _background("completed")
+        assert await runs.settled(finished) is finished  # a finished one needs no holder
+
+    for case in (failing, cancelled, stopped, followed, lost):
         asyncio.run(case())
 
 

@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from cascadia.gateway.background import HOLD_S
 from tests.live_gateway import KEYS, MODEL, router_stats, wait_until_active, wait_until_free
 
 pytestmark = pytest.mark.slow
@@ -201,6 +202,19 @@ def test_two_gateways_sharing_a_redis_continue_each_others_conversations(live, g
     failed = second.responses.retrieve(stopped.id)
     assert failed.status == "failed" and failed.error.code == "gateway_stopped"
     wait_until_free(live, timeout=2.0)
+    # and one killed outright is found out once it no longer says it holds its runs
+    third_base, _ = gateway_process("--redis", url, keys=True)
+    third = openai.OpenAI(base_url=third_base + "/v1", api_key=KEYS[0], max_retries=0, timeout=60)
+    killed = third.responses.create(model=MODEL, background=True, stream=True, **LONG)
+    created = next(iter(killed))
+    wait_until_active(live, 1)
+    gateway_process.processes[third_base].kill()
+    wait_until_free(live, timeout=5.0)  # its streams to the router broke: the router stopped its generation
+    assert second.responses.retrieve(created.response.id).status in ("queued", "in_progress")  # not yet known
+    lost = _polled(second, created.response.id, timeout=HOLD_S + 5)
+    assert lost.status == "failed" and lost.error.code == "gateway_lost"
+    followed = list(second.responses.retrieve(created.response.id, stream=True))  # ends, not waits forever
+    assert followed and followed[0].type == "response.created"
 
 
 def _polled(client: openai.OpenAI, response_id: str, timeout: float = 60.0, until=("queued", "in_progress")):

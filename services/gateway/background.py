@@ -3,7 +3,9 @@
 The response is stored queued and answered at once; its run moves it to in_progress at its first output
 and to its last state when it ends. Every state goes through the store, so any gateway sharing it
 answers a poll, a cancel or a delete: the run looks at its stored state every `poll_s` seconds and stops
-its generation on the router once the response was cancelled or deleted.
+its generation on the router once the response was cancelled or deleted. The run also says in the store,
+every few seconds, that it holds the response: a gateway killed or cut off says nothing more, and the
+first reader after `HOLD_S` finds its response failed (`gateway_lost`) rather than in progress forever.
 
 A background response asked with `stream: true` keeps its stream's events in the store as well, and its
 stream is followed from there: by the request that created it (whose leaving stops nothing) and by any
@@ -14,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +30,7 @@ from cascadia.gateway.response_store import ResponseStore, StoredResponse, Store
 log = logging.getLogger("cascadia.gateway")
 
 POLL_S = 0.25
+HOLD_S = 10.0  # a run says it holds its response for this long, again every quarter of it
 LAST_EVENTS = ("response.completed", "response.incomplete", "response.failed")
 STOPPED = ApiError(503, "The gateway stopped before the response finished.", "server_error", code="gateway_stopped")
 
@@ -53,6 +58,21 @@ class BackgroundRuns:
     _tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     _added: dict[str, asyncio.Event] = field(default_factory=dict)  # set when a local run adds an event
 
+    async def hold(self, response_id: str) -> None:
+        """Say that this gateway runs the response (before it is first stored: no reader finds it unheld)."""
+        await self.store.hold(response_id, HOLD_S)
+
+    async def settled(self, stored: StoredResponse) -> StoredResponse:
+        """`stored` as it stands: an unfinished background response that no gateway holds any more is failed."""
+        if not stored.unfinished or stored.id in self._tasks or await self.store.held(stored.id):
+            return stored
+        lost = {"code": "gateway_lost", "message": "The gateway running this response stopped answering."}
+        failed = dataclasses.replace(stored, body=stored.body | {"status": "failed", "error": lost})
+        if await self.store.replace_unfinished(failed):
+            self.metrics.errors.labels("gateway_lost").inc()
+            return failed
+        return await self.store.get(stored.id, stored.owner) or stored
+
     def start(self, run: BackgroundRun) -> None:
         if run.failed_events is not None:
             self._added[run.id] = asyncio.Event()
@@ -71,6 +91,8 @@ class BackgroundRuns:
                     return
             if not events:
                 stored = await self.store.get(response_id, owner)
+                if stored is not None:
+                    stored = await self.settled(stored)
                 if stored is None or not stored.unfinished:
                     for event in await self.store.events_after(response_id, after):
                         yield event  # added between the two reads
@@ -135,9 +157,14 @@ class BackgroundRuns:
 
     async def _run(self, run: BackgroundRun) -> None:
         consume = asyncio.ensure_future(self._consume(run))
+        held_at = time.monotonic()
         try:
             while not consume.done():
                 await asyncio.wait({consume}, timeout=self.poll_s)
+                if time.monotonic() - held_at > HOLD_S / 4:
+                    held_at = time.monotonic()
+                    with contextlib.suppress(StoreUnavailable):
+                        await self.store.hold(run.id, HOLD_S)
                 if not consume.done() and not await self._wanted(run):
                     consume.cancel()  # cancelled or deleted: its generation stops on the router
                     await asyncio.gather(consume, return_exceptions=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import json
+import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -22,6 +23,7 @@ EVENT_LOGS = 64  # background streams whose events a gateway alone keeps
 DEFAULT_TTL_S = 24 * 3600  # after its last read; a fleet's Redis is memory, not an archive
 KEY_PREFIX = "cascadia:response:"
 EVENTS_PREFIX = "cascadia:response-events:"
+HELD_PREFIX = "cascadia:response-held:"
 # replace a stored response only while its status is one of ARGV[3:], in one step on the server
 FINISH_SCRIPT = """
 local raw = redis.call('GET', KEYS[1])
@@ -108,6 +110,14 @@ class ResponseStore(Protocol):
         """A background response's events whose sequence numbers come after `after`, in order."""
         ...
 
+    async def hold(self, response_id: str, seconds: float) -> None:
+        """Say that a gateway is running this background response, for `seconds` from now."""
+        ...
+
+    async def held(self, response_id: str) -> bool:
+        """Whether a gateway said, within the time it gave, that it runs this response."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -133,6 +143,7 @@ class MemoryStore:
         # background streams' events, of the most recently started EVENT_LOGS only: a long answer's events
         # take far more memory than its response
         self._events: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+        self._held_until: dict[str, float] = {}
 
     async def get(self, response_id: str, owner: str) -> StoredResponse | None:
         stored = self._responses.get(response_id)
@@ -175,6 +186,14 @@ class MemoryStore:
     async def events_after(self, response_id: str, after: int) -> list[dict[str, Any]]:
         log = self._events.get(response_id, [])
         return log[bisect.bisect_right(log, after, key=lambda event: event["sequence_number"]) :]
+
+    async def hold(self, response_id: str, seconds: float) -> None:
+        now = time.monotonic()
+        self._held_until = {k: v for k, v in self._held_until.items() if v > now}
+        self._held_until[response_id] = now + seconds
+
+    async def held(self, response_id: str) -> bool:
+        return self._held_until.get(response_id, 0.0) > time.monotonic()
 
     async def close(self) -> None:
         self._responses.clear()
@@ -238,6 +257,14 @@ class RedisStore:
                 pipe.expire(key, self.ttl_s)  # read: kept as long as the response
                 raw, _ = await pipe.execute()
         return [json.loads(event) for event in raw]
+
+    async def hold(self, response_id: str, seconds: float) -> None:
+        with _answering():
+            await self._redis.set(HELD_PREFIX + response_id, "1", px=max(1, int(seconds * 1000)))
+
+    async def held(self, response_id: str) -> bool:
+        with _answering():
+            return bool(await self._redis.exists(HELD_PREFIX + response_id))
 
     async def close(self) -> None:
         await self._redis.aclose()

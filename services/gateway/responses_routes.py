@@ -162,12 +162,15 @@ def render_response(
     return found
 
 
-async def _earlier_turns(store: ResponseStore, body: ResponseInput, key: str) -> list[dict[str, Any]]:
+async def _earlier_turns(runs: BackgroundRuns, body: ResponseInput, key: str) -> list[dict[str, Any]]:
     """The stored conversation `previous_response_id` continues (404 when it is not, or no longer, whole)."""
     if body.previous_response_id is None:
         return []
+    store = runs.store
     with _store_answering():
         previous = await store.get(body.previous_response_id, key)
+        if previous is not None:
+            previous = await runs.settled(previous)
     if previous is None:
         raise _not_found(body.previous_response_id, "previous_response_id")
     if previous.unfinished:
@@ -201,7 +204,7 @@ def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) ->
         refuse_unsupported(body)
         if body.background and body.store is False:
             raise bad_request("A background response is stored, to be polled: it cannot have store: false.", "store")
-        context = await _earlier_turns(store, body, key)
+        context = await _earlier_turns(runs, body, key)
         items = input_items(body)
         prepared = gateway.start_chat(*render_response(gateway, body, context + items), "resp_")
         keep = body.store is not False
@@ -227,6 +230,7 @@ def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) ->
             queued = started.model_copy(update={"status": "queued"})
             try:
                 with _store_answering():
+                    await runs.hold(queued.id)
                     await store.put(as_stored(queued))
             except ApiError:
                 release()
@@ -270,6 +274,7 @@ def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) ->
             stored = await store.get(response_id, key)
             if stored is None:
                 raise _not_found(response_id)
+            stored = await runs.settled(stored)
             if not stored.body.get("background"):
                 raise bad_request(f"Response '{response_id}' was not created with background: true.", None)
             if stored.unfinished:
@@ -295,7 +300,7 @@ def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) ->
         asked = ResponseRequest(**given | {"model": body.model or gateway.config.model_name})
         gateway.check_model(asked.model)
         refuse_unsupported(asked)
-        items = await _earlier_turns(store, asked, key) + input_items(asked)
+        items = await _earlier_turns(runs, asked, key) + input_items(asked)
         try:
             rendered, _ = render_response(gateway, asked, items)
             return InputTokenCount(input_tokens=len(rendered.ids))
@@ -321,6 +326,8 @@ def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) ->
     ) -> Any:
         with _store_answering():
             stored = await store.get(response_id, key)
+            if stored is not None:
+                stored = await runs.settled(stored)
         if stored is None:
             raise _not_found(response_id)
         if not stream:
