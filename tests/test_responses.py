@@ -342,6 +342,9 @@ def test_a_background_run_stores_each_state_and_why_it_stopped():
         yield {"type": "response.output_item.added", "sequence_number": 1}
         if isinstance(outcome, Exception):
             raise outcome
+        if outcome == "completed":
+            yield {"type": "response.completed", "sequence_number": 2, "response": _background("completed").body}
+            return
         try:
             await asyncio.sleep(3600)
         except asyncio.CancelledError:  # where a generation stops its request on the router
@@ -362,6 +365,7 @@ def test_a_background_run_stores_each_state_and_why_it_stopped():
             BackgroundRun(
                 events(outcome, gate),
                 StoredResponse("alice", body | {"status": "in_progress"}, []),
+                lambda finished: StoredResponse("alice", finished, []),
                 lambda exc: StoredResponse("alice", body | {"status": "failed", "error": exc.code}, []),
                 lambda: released.append(True),
                 failed_events if keep_events else None,
@@ -413,6 +417,12 @@ def test_a_background_run_stores_each_state_and_why_it_stopped():
         await store.delete("b1", "alice")
         assert await store.events_after("b1", -1) == []  # deleted with its response
 
+    async def completing():
+        store, _, released = await run("completed", keep_events=True)
+        assert (await store.get("b1", "alice")).body["status"] == "completed" and released == [True]
+        kept = await store.events_after("b1", -1)
+        assert [e["type"] for e in kept] == ["response.created", "response.output_item.added", "response.completed"]
+
     async def lost():
         store = MemoryStore()
         runs = BackgroundRuns(store, GatewayMetrics())
@@ -427,7 +437,7 @@ def test_a_background_run_stores_each_state_and_why_it_stopped():
         finished = _background("completed")
         assert await runs.settled(finished) is finished  # a finished one needs no holder
 
-    for case in (failing, cancelled, stopped, followed, lost):
+    for case in (failing, cancelled, stopped, followed, completing, lost):
         asyncio.run(case())
 
 

@@ -37,8 +37,9 @@ STOPPED = ApiError(503, "The gateway stopped before the response finished.", "se
 
 @dataclass
 class BackgroundRun:
-    events: AsyncIterator[dict[str, Any]]  # the response's events; the last one's producer stores it
+    events: AsyncIterator[dict[str, Any]]  # the response's events, to its completed or incomplete one
     in_progress: StoredResponse  # as stored once the first output arrives
+    finished: Callable[[dict[str, Any]], StoredResponse]  # the last event's response as stored
     failed: Callable[[ApiError], StoredResponse]  # as stored when the run fails
     release: Callable[[], None]  # gives back the key's concurrency place
     failed_events: Callable[[ApiError], list[dict[str, Any]]] | None = None  # set: its events are kept
@@ -148,12 +149,17 @@ class BackgroundRuns:
             if not announced and event["type"] == "response.output_item.added":
                 announced = True
                 await self.keep(run.in_progress)
+            # an event is kept before the state it leads to: a follower that finds the response finished
+            # finds its last event too
             if run.failed_events is not None:
                 await self._add_events(run, [event])
+            if event["type"] in LAST_EVENTS:
+                await self.keep(run.finished(event["response"]))
 
     async def _fail(self, run: BackgroundRun, error: ApiError) -> None:
-        if await self.keep(run.failed(error)) and run.failed_events is not None:
+        if run.failed_events is not None and await self._wanted(run):
             await self._add_events(run, run.failed_events(error))
+        await self.keep(run.failed(error))
 
     async def _run(self, run: BackgroundRun) -> None:
         consume = asyncio.ensure_future(self._consume(run))

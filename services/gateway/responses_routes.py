@@ -236,14 +236,14 @@ def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) ->
                 release()
                 raise
 
-            async def finished(response: ResponseBody) -> ResponseBody:
-                await runs.keep(as_stored(response))
+            async def kept_by_the_run(response: ResponseBody) -> ResponseBody:
                 return response
 
             runs.start(
                 BackgroundRun(
-                    _events(prepared, started, builder, finished, created=queued),
+                    _events(prepared, started, builder, kept_by_the_run, created=queued),
                     as_stored(started),
+                    lambda body: as_stored(ResponseBody.model_validate(body)),
                     lambda exc: as_stored(_failed_body(started, exc)),
                     release,
                     functools.partial(_failed_events, started, builder) if body.stream else None,
