@@ -21,6 +21,7 @@ from cascadia.gateway.response_store import (
     ConversationLost,
     MemoryStore,
     RedisStore,
+    StoredConversation,
     StoredResponse,
     StoreUnavailable,
     conversation,
@@ -533,9 +534,88 @@ def test_input_tokens_are_counted_as_a_response_renders_them(call, tiny):
     for body, status, param in [
         ({"input": "hi", "reasoning": {"effort": "high"}}, 400, "reasoning"),
         ({"input": [{"role": "user", "content": [IMAGE]}]}, 400, "input[0].content[0]"),
-        ({"input": "hi", "conversation": "conv_1"}, 400, "conversation"),
+        ({"input": "hi", "conversation": "conv_1"}, 404, "conversation"),
         ({"input": "hi", "model": "other"}, 404, "model"),
         ({"input": "hi", "previous_response_id": "resp_gone"}, 404, "previous_response_id"),
     ]:
         refused = count(**body)
         assert refused.status_code == status and refused.json()["error"]["param"] == param, refused.text
+
+
+async def _conversation_store_checks(store) -> None:
+    said = [{"id": "msg_1", "type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}]
+    await store.put_conversation(StoredConversation("alice", "conv_1", 7, {"topic": "sea"}), said)
+    assert (await store.get_conversation("conv_1", "alice")).metadata == {"topic": "sea"}
+    assert await store.get_conversation("conv_1", "mallory") is None  # another key finds nothing
+    assert await store.items("conv_1", "mallory") is None and not await store.add_items("conv_1", "mallory", said)
+    answer = {"id": "msg_2", "type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "yo"}]}
+    assert await store.add_items("conv_1", "alice", [answer, {**answer, "id": "msg_3"}])
+    assert [item["id"] for item in await store.items("conv_1", "alice")] == ["msg_1", "msg_2", "msg_3"]
+    await store.put_conversation(StoredConversation("alice", "conv_1", 7, {"topic": "sky"}), [])  # metadata only
+    assert (await store.get_conversation("conv_1", "alice")).metadata == {"topic": "sky"}
+    assert len(await store.items("conv_1", "alice")) == 3
+    assert not await store.delete_item("conv_1", "alice", "msg_9") and await store.delete_item(
+        "conv_1", "alice", "msg_2"
+    )
+    assert [item["id"] for item in await store.items("conv_1", "alice")] == ["msg_1", "msg_3"]
+    assert not await store.delete_conversation("conv_1", "mallory") and await store.delete_conversation(
+        "conv_1", "alice"
+    )
+    assert await store.items("conv_1", "alice") is None and not await store.add_items("conv_1", "alice", said)
+
+
+def test_conversations_are_kept_in_memory_and_in_redis_for_their_key_only(redis_server):
+    url, _ = redis_server
+
+    async def run():
+        await _conversation_store_checks(MemoryStore(8))
+        store = RedisStore(url, ttl_s=60)
+        await _conversation_store_checks(store)
+        await store.close()
+
+    asyncio.run(run())
+
+
+def test_the_conversations_api_keeps_items_in_order_and_refuses_what_it_cannot_serve(call):
+    created = call(
+        "POST", "/v1/conversations", json={"items": [{"role": "user", "content": "Hello"}], "metadata": {"a": "b"}}
+    )
+    assert created.status_code == 200, created.text
+    conversation = created.json()
+    assert conversation["id"].startswith("conv_") and conversation["object"] == "conversation"
+    assert conversation["metadata"] == {"a": "b"}
+    path = f"/v1/conversations/{conversation['id']}"
+    assert call("GET", path).json() == conversation
+    added = call("POST", path + "/items", json={"items": [{"role": "assistant", "content": f"r{n}"} for n in range(3)]})
+    assert [item["content"][0] for item in added.json()["data"]] == [
+        {"type": "output_text", "text": f"r{n}"} for n in range(3)
+    ]
+    first = call("GET", path + "/items", params={"order": "asc"}).json()
+    assert [item["role"] for item in first["data"]] == ["user", "assistant", "assistant", "assistant"]
+    assert first["data"][0]["content"] == [{"type": "input_text", "text": "Hello"}]
+    newest = call("GET", path + "/items", params={"limit": 2}).json()
+    assert [i["content"][0]["text"] for i in newest["data"]] == ["r2", "r1"] and newest["has_more"]
+    rest = call("GET", path + "/items", params={"limit": 2, "after": newest["last_id"]}).json()
+    assert [i["content"][0]["text"] for i in rest["data"]] == ["r0", "Hello"] and not rest["has_more"]
+    item = first["data"][1]
+    assert call("GET", f"{path}/items/{item['id']}").json() == item
+    assert call("DELETE", f"{path}/items/{item['id']}").json()["id"] == conversation["id"]
+    assert call("GET", f"{path}/items/{item['id']}").status_code == 404
+    updated = call("POST", path, json={"metadata": {"c": "d"}}).json()
+    assert updated["metadata"] == {"c": "d"} and len(call("GET", path + "/items").json()["data"]) == 3
+    for method, url, body, status, param in [
+        ("POST", "/v1/conversations", {"items": [{"role": "user", "content": [IMAGE]}]}, 400, "items[0].content[0]"),
+        ("POST", path + "/items", {"items": []}, 400, "items"),
+        ("POST", "/v1/responses", {"model": "tiny", "input": "hi", "conversation": "conv_gone"}, 404, "conversation"),
+        ("POST", "/v1/responses", {"model": "tiny", "input": "hi", "conversation": conversation["id"],
+                                   "previous_response_id": "resp_1"}, 400, "conversation"),
+        ("POST", "/v1/responses/input_tokens", {"input": "hi", "conversation": {"id": "conv_gone"}}, 404,
+         "conversation"),
+    ]:  # fmt: skip
+        refused = call(method, url, json=body)
+        assert refused.status_code == status and refused.json()["error"]["param"] == param, refused.text
+    counted = call("POST", "/v1/responses/input_tokens", json={"input": "hi", "conversation": conversation["id"]})
+    alone = call("POST", "/v1/responses/input_tokens", json={"input": "hi"})
+    assert counted.json()["input_tokens"] > alone.json()["input_tokens"]  # the conversation's items come first
+    assert call("DELETE", path).json() == {"id": conversation["id"], "object": "conversation.deleted", "deleted": True}
+    assert call("GET", path).status_code == 404 and call("GET", path + "/items").status_code == 404

@@ -122,6 +122,42 @@ def test_previous_response_id_continues_the_conversation_on_the_last_turns_state
         client.responses.retrieve(unstored.id)
 
 
+def test_a_conversation_gathers_each_responses_input_and_output_and_the_next_continues_it(live, solo):
+    client = live.client()
+    kept = client.conversations.create(items=[{"role": "user", "content": "Say something about the sea."}])
+    first = client.responses.create(
+        model=MODEL, instructions=BRIEF, conversation=kept.id, input=[], max_output_tokens=10, temperature=0
+    )
+    assert first.conversation.id == kept.id
+    items = client.conversations.items.list(kept.id, order="asc").data
+    assert [(item.type, item.role) for item in items] == [("message", "user"), ("message", "assistant")]
+    assert items[1].content[0].text == first.output_text
+    counted = client.responses.input_tokens.count(
+        model=MODEL, instructions=BRIEF, conversation=kept.id, input="And about the sky?"
+    )
+    second = client.responses.create(
+        model=MODEL, instructions=BRIEF, conversation={"id": kept.id}, input="And about the sky?",
+        max_output_tokens=10, temperature=0, store=False,
+    )  # fmt: skip
+    history = [
+        {"role": "system", "content": BRIEF},
+        {"role": "user", "content": "Say something about the sea."},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And about the sky?"},
+    ]
+    prompt = live.codec.encode_chat(history)
+    assert second.output_text == live.codec.decode(solo(prompt, 10))
+    assert second.usage.input_tokens == counted.input_tokens == len(prompt)
+    # the first turn's state is taken over, as for previous_response_id
+    assert second.usage.input_tokens_details.cached_tokens >= len(live.codec.encode_chat(history[:2]))
+    assert len(client.conversations.items.list(kept.id).data) == 4  # store: false adds to it all the same
+    client.conversations.delete(kept.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=MODEL, conversation=kept.id, input="Hi", max_output_tokens=2)
+    with pytest.raises(openai.NotFoundError):  # a conversation belongs to the key that made it
+        live.client(KEYS[1]).conversations.retrieve(client.conversations.create().id)
+
+
 def test_function_calls_come_as_items_and_their_outputs_continue_the_conversation_as_chat_does(live):
     client = live.client()
     question = "What is the weather in Oslo?"
@@ -176,6 +212,12 @@ def test_two_gateways_sharing_a_redis_continue_each_others_conversations(live, g
     )  # fmt: skip
     assert went_on.usage.input_tokens_details.cached_tokens > 0
     assert first.responses.retrieve(went_on.id).previous_response_id == opened.id
+    kept = first.conversations.create(items=[{"role": "user", "content": "Name a sea."}])
+    answered = second.responses.create(
+        model=MODEL, instructions=BRIEF, conversation=kept.id, input=[], max_output_tokens=8, temperature=0
+    )
+    assert answered.output_text == opened.output_text  # the same conversation, kept by the other gateway
+    assert [i.role for i in first.conversations.items.list(kept.id, order="asc").data] == ["user", "assistant"]
 
     # a background response runs on the gateway that took it; any of them follows, polls and cancels it
     streamed = first.responses.create(

@@ -34,6 +34,7 @@ from cascadia.engine.grammar import (
 from cascadia.engine.sampling import SamplingParams
 from cascadia.gateway.auth import ConcurrencyLimiter, Key, KeyRing
 from cascadia.gateway.choices import Choices, choice_params
+from cascadia.gateway.conversations_routes import add_conversation_routes
 from cascadia.gateway.errors import ApiError, bad_request, error_body
 from cascadia.gateway.generation import Delta, Generation, TokenLogprob
 from cascadia.gateway.logprobs import chat_logprobs, completion_logprobs
@@ -743,6 +744,7 @@ def create_app(
         )
 
     background = add_response_routes(app, gateway, responses_store)
+    add_conversation_routes(app, responses_store)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

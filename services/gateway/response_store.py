@@ -1,10 +1,11 @@
-"""Stored responses: what `GET /v1/responses/{id}` returns and what `previous_response_id` continues.
+"""Stored responses (what `GET /v1/responses/{id}` returns and what `previous_response_id` continues) and
+conversations (`/v1/conversations`: items that responses naming one read and add to).
 
 A gateway alone keeps them in memory (the most recently used `capacity`); gateways that share a Redis
 (an InklingFleet's replicas) keep them there, each until `ttl_s` seconds after it was last read, so
 that a conversation may go on through any of them. Each response holds its own input and output and
 names the response it continued, so a long conversation is stored once, not once per turn. A response
-belongs to the API key that created it: another key finds nothing.
+belongs to the API key that created it: another key finds nothing. Conversations are kept alike.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ DEFAULT_TTL_S = 24 * 3600  # after its last read; a fleet's Redis is memory, not
 KEY_PREFIX = "cascadia:response:"
 EVENTS_PREFIX = "cascadia:response-events:"
 HELD_PREFIX = "cascadia:response-held:"
+CONVERSATION_PREFIX = "cascadia:conversation:"
+ITEMS_PREFIX = "cascadia:conversation-items:"
 # replace a stored response only while its status is one of ARGV[3:], in one step on the server
 FINISH_SCRIPT = """
 local raw = redis.call('GET', KEYS[1])
@@ -79,6 +82,17 @@ class StoredResponse:
         return [*self.input, *(output_as_input(item) for item in self.body["output"])]
 
 
+@dataclass(frozen=True)
+class StoredConversation:
+    owner: str  # the key id that created it
+    id: str
+    created_at: int
+    metadata: dict[str, str]
+
+    def body(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "conversation", "created_at": self.created_at, "metadata": self.metadata}
+
+
 def output_as_input(item: dict[str, Any]) -> dict[str, Any]:
     """An output item as a later request gives it back (without its text's log-probs)."""
     if item["type"] != "message":
@@ -118,6 +132,24 @@ class ResponseStore(Protocol):
         """Whether a gateway said, within the time it gave, that it runs this response."""
         ...
 
+    async def put_conversation(self, stored: StoredConversation, items: list[dict[str, Any]]) -> None:
+        """Store a conversation (a new one, or one whose metadata changed) and add `items` to its end."""
+        ...
+
+    async def get_conversation(self, conversation_id: str, owner: str) -> StoredConversation | None: ...
+
+    async def delete_conversation(self, conversation_id: str, owner: str) -> bool: ...
+
+    async def add_items(self, conversation_id: str, owner: str, items: list[dict[str, Any]]) -> bool:
+        """Add items to a conversation's end (False if it is not stored)."""
+        ...
+
+    async def items(self, conversation_id: str, owner: str) -> list[dict[str, Any]] | None:
+        """A conversation's items, oldest first (None if it is not stored)."""
+        ...
+
+    async def delete_item(self, conversation_id: str, owner: str, item_id: str) -> bool: ...
+
     async def close(self) -> None: ...
 
 
@@ -144,6 +176,7 @@ class MemoryStore:
         # take far more memory than its response
         self._events: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
         self._held_until: dict[str, float] = {}
+        self._conversations: OrderedDict[str, tuple[StoredConversation, list[dict[str, Any]]]] = OrderedDict()
 
     async def get(self, response_id: str, owner: str) -> StoredResponse | None:
         stored = self._responses.get(response_id)
@@ -195,9 +228,52 @@ class MemoryStore:
     async def held(self, response_id: str) -> bool:
         return self._held_until.get(response_id, 0.0) > time.monotonic()
 
+    async def put_conversation(self, stored: StoredConversation, items: list[dict[str, Any]]) -> None:
+        earlier = self._conversations.get(stored.id)
+        self._conversations[stored.id] = (stored, [*(earlier[1] if earlier else ()), *items])
+        self._conversations.move_to_end(stored.id)
+        while len(self._conversations) > self.capacity:
+            self._conversations.popitem(last=False)
+
+    def _conversation(self, conversation_id: str, owner: str) -> tuple[StoredConversation, list[dict[str, Any]]] | None:
+        found = self._conversations.get(conversation_id)
+        if found is None or found[0].owner != owner:
+            return None
+        self._conversations.move_to_end(conversation_id)
+        return found
+
+    async def get_conversation(self, conversation_id: str, owner: str) -> StoredConversation | None:
+        found = self._conversation(conversation_id, owner)
+        return found[0] if found else None
+
+    async def delete_conversation(self, conversation_id: str, owner: str) -> bool:
+        if self._conversation(conversation_id, owner) is None:
+            return False
+        del self._conversations[conversation_id]
+        return True
+
+    async def add_items(self, conversation_id: str, owner: str, items: list[dict[str, Any]]) -> bool:
+        found = self._conversation(conversation_id, owner)
+        if found is not None:
+            found[1].extend(items)
+        return found is not None
+
+    async def items(self, conversation_id: str, owner: str) -> list[dict[str, Any]] | None:
+        found = self._conversation(conversation_id, owner)
+        return list(found[1]) if found else None
+
+    async def delete_item(self, conversation_id: str, owner: str, item_id: str) -> bool:
+        found = self._conversation(conversation_id, owner)
+        kept = [item for item in found[1] if item["id"] != item_id] if found else []
+        if found is None or len(kept) == len(found[1]):
+            return False
+        found[1][:] = kept
+        return True
+
     async def close(self) -> None:
         self._responses.clear()
         self._events.clear()
+        self._conversations.clear()
 
 
 class RedisStore:
@@ -265,6 +341,61 @@ class RedisStore:
     async def held(self, response_id: str) -> bool:
         with _answering():
             return bool(await self._redis.exists(HELD_PREFIX + response_id))
+
+    async def put_conversation(self, stored: StoredConversation, items: list[dict[str, Any]]) -> None:
+        key = CONVERSATION_PREFIX + stored.id
+        with _answering():
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.set(key, json.dumps(asdict(stored), separators=(",", ":")), ex=self.ttl_s)
+                if items:
+                    pipe.rpush(ITEMS_PREFIX + stored.id, *(json.dumps(item, separators=(",", ":")) for item in items))
+                    pipe.expire(ITEMS_PREFIX + stored.id, self.ttl_s)
+                await pipe.execute()
+
+    async def get_conversation(self, conversation_id: str, owner: str) -> StoredConversation | None:
+        with _answering():
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.getex(CONVERSATION_PREFIX + conversation_id, ex=self.ttl_s)  # read: both kept ttl_s longer
+                pipe.expire(ITEMS_PREFIX + conversation_id, self.ttl_s)
+                raw, _ = await pipe.execute()
+        if raw is None:
+            return None
+        stored = StoredConversation(**json.loads(raw))
+        return stored if stored.owner == owner else None
+
+    async def delete_conversation(self, conversation_id: str, owner: str) -> bool:
+        if await self.get_conversation(conversation_id, owner) is None:
+            return False
+        with _answering():
+            return bool(await self._redis.delete(CONVERSATION_PREFIX + conversation_id, ITEMS_PREFIX + conversation_id))
+
+    async def add_items(self, conversation_id: str, owner: str, items: list[dict[str, Any]]) -> bool:
+        if await self.get_conversation(conversation_id, owner) is None:
+            return False
+        key = ITEMS_PREFIX + conversation_id
+        with _answering():
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.rpush(key, *(json.dumps(item, separators=(",", ":")) for item in items))
+                pipe.expire(key, self.ttl_s)
+                await pipe.execute()
+        return True
+
+    async def items(self, conversation_id: str, owner: str) -> list[dict[str, Any]] | None:
+        if await self.get_conversation(conversation_id, owner) is None:
+            return None
+        with _answering():
+            raw = await self._redis.lrange(ITEMS_PREFIX + conversation_id, 0, -1)
+        return [json.loads(item) for item in raw]
+
+    async def delete_item(self, conversation_id: str, owner: str, item_id: str) -> bool:
+        if await self.get_conversation(conversation_id, owner) is None:
+            return False
+        key = ITEMS_PREFIX + conversation_id
+        with _answering():
+            for raw in await self._redis.lrange(key, 0, -1):
+                if json.loads(raw)["id"] == item_id:
+                    return bool(await self._redis.lrem(key, 1, raw))
+        return False
 
     async def close(self) -> None:
         await self._redis.aclose()

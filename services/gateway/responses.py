@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,8 @@ from cascadia.gateway.generation import TokenLogprob
 from cascadia.gateway.logprobs import chat_logprobs
 from cascadia.gateway.responses_schemas import (
     FunctionToolChoice,
+    InputItem,
+    InputItemList,
     MessageItem,
     ResponseRequest,
     TextFormatJsonObject,
@@ -35,23 +38,30 @@ def item_id(kind: str) -> str:
     return f"{kind}_{uuid.uuid4().hex}"
 
 
-def refuse_unsupported(body: ResponseRequest) -> None:
-    """A 400 naming the first item, part or tool of a kind a text model does not serve."""
-    items = body.input if isinstance(body.input, list) else []
+def refuse_unsupported_items(items: Sequence[InputItem], param: str) -> None:
+    """A 400 naming the first of `items` (the request's `param`), or part of one, of a kind a text model
+    does not serve."""
     for i, item in enumerate(items):
         if isinstance(item, Unsupported):
             raise bad_request(
                 f"Input items of type '{item.type}' are not supported: give messages, function_call and "
                 "function_call_output items.",
-                f"input[{i}]",
+                f"{param}[{i}]",
             )
         content = item.content if isinstance(item, MessageItem) else getattr(item, "output", "")
         for j, part in enumerate(content if isinstance(content, list) else []):
             if isinstance(part, Unsupported):
                 raise bad_request(
                     f"Content parts of type '{part.type}' are not supported: this model reads text.",
-                    f"input[{i}].content[{j}]",
+                    f"{param}[{i}].content[{j}]",
                 )
+
+
+def refuse_unsupported(body: ResponseRequest) -> None:
+    """A 400 naming the first item, part or tool of a kind a text model does not serve."""
+    refuse_unsupported_items(body.input if isinstance(body.input, list) else [], "input")
+    if body.conversation is not None and body.previous_response_id is not None:
+        raise bad_request("Give 'conversation' or 'previous_response_id', not both.", "conversation")
     for i, tool in enumerate(body.tools or ()):
         if isinstance(tool, Unsupported):
             raise bad_request(f"Tools of type '{tool.type}' are not supported: give function tools.", f"tools[{i}]")
@@ -63,8 +73,26 @@ def input_items(body: ResponseRequest) -> list[dict[str, Any]]:
     """The request's input as the items OpenAI lists: text is one user message, a message's text a part of
     its content, and every item has an id."""
     given = body.input if body.input is not None else []
-    items = [{"type": "message", "role": "user", "content": given}] if isinstance(given, str) else given
+    return listed_items([{"type": "message", "role": "user", "content": given}] if isinstance(given, str) else given)
+
+
+def listed_items(items: Sequence[InputItem | dict[str, Any]]) -> list[dict[str, Any]]:
     return [_listed(item if isinstance(item, dict) else item.model_dump(exclude_none=True)) for item in items]
+
+
+def page_of(items: list[dict[str, Any]], limit: int, order: str, after: str | None) -> InputItemList:
+    """One page of a list of items, newest first for order "desc", from the one after the item `after`."""
+    ordered = list(reversed(items)) if order == "desc" else list(items)
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        ordered = ordered[ids.index(after) + 1 :] if after in ids else []
+    page = ordered[:limit]
+    return InputItemList(
+        data=page,
+        first_id=page[0]["id"] if page else None,
+        last_id=page[-1]["id"] if page else None,
+        has_more=len(ordered) > limit,
+    )
 
 
 def _listed(item: dict[str, Any]) -> dict[str, Any]:

@@ -24,12 +24,14 @@ from cascadia.gateway.response_store import (
     StoredResponse,
     StoreUnavailable,
     conversation,
+    output_as_input,
 )
 from cascadia.gateway.responses import (
     OutputBuilder,
     as_response_error,
     chat_request,
     input_items,
+    page_of,
     refuse_unsupported,
     status_of,
     turn_starts,
@@ -71,7 +73,7 @@ def _sse(event: dict[str, Any]) -> str:
 
 
 @contextlib.contextmanager
-def _store_answering() -> Iterator[None]:
+def store_answering() -> Iterator[None]:
     """A store that does not answer is a 503 for the request that needed it."""
     try:
         yield
@@ -106,6 +108,7 @@ def _started(body: ResponseRequest, prepared: PreparedChat, model: str, keep: bo
         truncation=body.truncation or "disabled",
         store=keep,
         background=bool(body.background),
+        conversation={"id": conversation_id(body)} if body.conversation is not None else None,
         metadata=body.metadata or {},
         user=body.user,
     )
@@ -162,12 +165,30 @@ def render_response(
     return found
 
 
+def conversation_not_found(conversation_id: str, param: str | None = None) -> ApiError:
+    message = f"No conversation with id '{conversation_id}' is stored."
+    return ApiError(404, message, param=param, code="conversation_not_found")
+
+
+def conversation_id(body: ResponseInput) -> str | None:
+    given = body.conversation
+    return given if isinstance(given, str) or given is None else given.id
+
+
 async def _earlier_turns(runs: BackgroundRuns, body: ResponseInput, key: str) -> list[dict[str, Any]]:
-    """The stored conversation `previous_response_id` continues (404 when it is not, or no longer, whole)."""
+    """The items before this input: the conversation named, or the stored responses `previous_response_id`
+    continues (404 when it is not, or no longer, whole)."""
+    store = runs.store
+    named = conversation_id(body)
+    if named is not None:
+        with store_answering():
+            items = await store.items(named, key)
+        if items is None:
+            raise conversation_not_found(named, "conversation")
+        return [output_as_input(item) for item in items]
     if body.previous_response_id is None:
         return []
-    store = runs.store
-    with _store_answering():
+    with store_answering():
         previous = await store.get(body.previous_response_id, key)
         if previous is not None:
             previous = await runs.settled(previous)
@@ -180,7 +201,7 @@ async def _earlier_turns(runs: BackgroundRuns, body: ResponseInput, key: str) ->
             "response_unfinished",
         )
     try:
-        with _store_answering():
+        with store_answering():
             return await conversation(store, previous)
     except ConversationLost as lost:
         raise ApiError(
@@ -214,8 +235,22 @@ def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) ->
         def as_stored(response: ResponseBody) -> StoredResponse:
             return StoredResponse(key, response.model_dump(mode="json"), items, bool(body.background and body.stream))
 
+        async def added_to_conversation(response: ResponseBody) -> ResponseBody:
+            """The response, its input and output added to the conversation it names, if it does."""
+            named = conversation_id(body)
+            if named is not None:
+                said = items + [output_as_input(item) for item in response.model_dump(mode="json")["output"]]
+                try:
+                    if not await store.add_items(named, key, said):
+                        log.warning("conversation %s was deleted before response %s was added", named, response.id)
+                except StoreUnavailable as exc:
+                    gateway.metrics.errors.labels("store_unavailable").inc()
+                    log.warning("response %s was not added to conversation %s: %s", response.id, named, exc)
+            return response
+
         async def stored(response: ResponseBody) -> ResponseBody:
             """The response, stored when asked: the answer is given even when the store fails to keep it."""
+            await added_to_conversation(response)
             if keep:
                 try:
                     await store.put(as_stored(response))
@@ -229,19 +264,16 @@ def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) ->
         if body.background:
             queued = started.model_copy(update={"status": "queued"})
             try:
-                with _store_answering():
+                with store_answering():
                     await runs.hold(queued.id)
                     await store.put(as_stored(queued))
             except ApiError:
                 release()
                 raise
 
-            async def kept_by_the_run(response: ResponseBody) -> ResponseBody:
-                return response
-
             runs.start(
                 BackgroundRun(
-                    _events(prepared, started, builder, kept_by_the_run, created=queued),
+                    _events(prepared, started, builder, added_to_conversation, created=queued),
                     as_stored(started),
                     lambda body: as_stored(ResponseBody.model_validate(body)),
                     lambda exc: as_stored(_failed_body(started, exc)),
@@ -270,7 +302,7 @@ def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) ->
     )
     async def cancel_response(response_id: str, key: Key) -> Any:
         """Stop a background response that is queued or in progress; a finished one is returned as it is."""
-        with _store_answering():
+        with store_answering():
             stored = await store.get(response_id, key)
             if stored is None:
                 raise _not_found(response_id)
@@ -324,7 +356,7 @@ def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) ->
             -1, ge=-1, description="With stream: the events after this sequence number (-1: from the first)."
         ),
     ) -> Any:
-        with _store_answering():
+        with store_answering():
             stored = await store.get(response_id, key)
             if stored is not None:
                 stored = await runs.settled(stored)
@@ -344,7 +376,7 @@ def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) ->
         responses=error_responses(401, 404, 503),
     )
     async def delete_response(response_id: str, key: Key) -> DeletedResponse:
-        with _store_answering():
+        with store_answering():
             deleted = await store.delete(response_id, key)
         if not deleted:
             raise _not_found(response_id)
@@ -362,23 +394,11 @@ def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) ->
         order: str = Query("desc", pattern="^(asc|desc)$"),
         after: str | None = None,
     ) -> InputItemList:
-        with _store_answering():
+        with store_answering():
             stored = await store.get(response_id, key)
         if stored is None:
             raise _not_found(response_id)
-        items = list(stored.input)
-        if order == "desc":
-            items.reverse()
-        if after is not None:
-            ids = [item["id"] for item in items]
-            items = items[ids.index(after) + 1 :] if after in ids else []
-        page = items[:limit]
-        return InputItemList(
-            data=page,
-            first_id=page[0]["id"] if page else None,
-            last_id=page[-1]["id"] if page else None,
-            has_more=len(items) > limit,
-        )
+        return page_of(stored.input, limit, order, after)
 
     return runs
 

@@ -126,6 +126,16 @@ class ResponseStreamOptions(Strict):
     include_obfuscation: bool | None = Field(None, description="Accepted; events carry no obfuscation padding.")
 
 
+Metadata = Annotated[
+    dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+    Field(max_length=MAX_METADATA_PAIRS),
+]
+
+
+class ConversationRef(Strict):
+    id: str
+
+
 class ResponseInput(Strict):
     """What a response reads: the fields `POST /v1/responses` and `/v1/responses/input_tokens` share."""
 
@@ -137,6 +147,11 @@ class ResponseInput(Strict):
     )
     previous_response_id: str | None = Field(
         None, description="Continue a stored response: its input and output come before this input."
+    )
+    conversation: str | ConversationRef | None = Field(
+        None,
+        description="A conversation (/v1/conversations) whose items come before this input; the input and "
+        "the output are added to it.",
     )
     tools: Annotated[list[ResponseTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
@@ -168,13 +183,7 @@ class ResponseRequest(ResponseInput):
         "GET /v1/responses/{id} until its status is no longer queued or in_progress; cancel it with POST "
         "/v1/responses/{id}/cancel. Needs store.",
     )
-    metadata: (
-        Annotated[
-            dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
-            Field(max_length=MAX_METADATA_PAIRS),
-        ]
-        | None
-    ) = None
+    metadata: Metadata | None = None
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = Field(
@@ -274,6 +283,7 @@ class ResponseBody(BaseModel):
     truncation: Literal["auto", "disabled"] = "disabled"
     store: bool = True
     background: bool = False
+    conversation: ConversationRef | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
     user: str | None = None
 
@@ -290,3 +300,34 @@ class DeletedResponse(BaseModel):
     id: str
     object: Literal["response"] = "response"
     deleted: Literal[True] = True
+
+
+MAX_ADDED_ITEMS = 20  # OpenAI's bound on the items one request adds to a conversation
+
+
+class ConversationCreate(Strict):
+    items: Annotated[list[InputItem], Field(max_length=MAX_ADDED_ITEMS)] | None = Field(
+        None, description="The conversation's first items: messages, function calls and their outputs."
+    )
+    metadata: Metadata | None = None
+
+
+class ConversationUpdate(Strict):
+    metadata: Metadata
+
+
+class ItemsCreate(Strict):
+    items: Annotated[list[InputItem], Field(min_length=1, max_length=MAX_ADDED_ITEMS)]
+
+
+class ConversationBody(BaseModel):
+    id: str
+    object: Literal["conversation"] = "conversation"
+    created_at: int
+    metadata: dict[str, str]
+
+
+class DeletedConversation(BaseModel):
+    id: str
+    object: Literal["conversation.deleted"] = "conversation.deleted"
+    deleted: bool = True
