@@ -8,13 +8,13 @@ import time
 import uuid
 from typing import Any
 
-from fastapi import FastAPI, Query
+from fastapi import FastAPI
 
 from cascadia.gateway.auth import Key
 from cascadia.gateway.errors import ApiError
 from cascadia.gateway.response_store import ResponseStore, StoredConversation
-from cascadia.gateway.responses import listed_items, page_of, refuse_unsupported_items
-from cascadia.gateway.responses_routes import MAX_LISTED_ITEMS, conversation_not_found, store_answering
+from cascadia.gateway.responses import listed_items, refuse_unsupported_items
+from cascadia.gateway.responses_routes import ItemPage, conversation_not_found, store_answering
 from cascadia.gateway.responses_schemas import (
     ConversationBody,
     ConversationCreate,
@@ -64,18 +64,12 @@ def add_conversation_routes(app: FastAPI, store: ResponseStore) -> None:
         return DeletedConversation(id=conversation_id)
 
     @app.get(one + "/items", response_model=InputItemList, responses=error_responses(400, 401, 404, 503))
-    async def list_items(
-        conversation_id: str,
-        key: Key,
-        limit: int = Query(20, ge=1, le=MAX_LISTED_ITEMS),
-        order: str = Query("desc", pattern="^(asc|desc)$"),
-        after: str | None = None,
-    ) -> InputItemList:
+    async def list_items(conversation_id: str, key: Key, page: ItemPage) -> InputItemList:
         with store_answering():
             items = await store.items(conversation_id, key)
         if items is None:
             raise conversation_not_found(conversation_id)
-        return page_of(items, limit, order, after)
+        return page.of(items)
 
     @app.post(one + "/items", response_model=InputItemList, responses=error_responses(400, 401, 404, 503))
     async def add_items(conversation_id: str, body: ItemsCreate, key: Key) -> InputItemList:

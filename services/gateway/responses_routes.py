@@ -9,9 +9,10 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any
 
-from fastapi import FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Query, Request
 from fastapi.responses import StreamingResponse
 from starlette.convertors import StringConvertor, register_url_convertor
 
@@ -163,6 +164,29 @@ def render_response(
         assert too_long is not None
         raise as_response_error(too_long)
     return found
+
+
+@dataclass(frozen=True)
+class ItemPageQuery:
+    """Which page of a list of items a request asks for: how many, newest or oldest first, after which."""
+
+    limit: int
+    order: str
+    after: str | None
+
+    def of(self, items: list[dict[str, Any]]) -> InputItemList:
+        return page_of(items, self.limit, self.order, self.after)
+
+
+def _item_page(
+    limit: int = Query(20, ge=1, le=MAX_LISTED_ITEMS),
+    order: str = Query("desc", pattern="^(asc|desc)$"),
+    after: str | None = None,
+) -> ItemPageQuery:
+    return ItemPageQuery(limit, order, after)
+
+
+ItemPage = Annotated[ItemPageQuery, Depends(_item_page)]
 
 
 def conversation_not_found(conversation_id: str, param: str | None = None) -> ApiError:
@@ -387,18 +411,12 @@ def add_response_routes(app: FastAPI, gateway: Gateway, store: ResponseStore) ->
         response_model=InputItemList,
         responses=error_responses(400, 401, 404, 503),
     )
-    async def list_input_items(
-        response_id: str,
-        key: Key,
-        limit: int = Query(20, ge=1, le=MAX_LISTED_ITEMS),
-        order: str = Query("desc", pattern="^(asc|desc)$"),
-        after: str | None = None,
-    ) -> InputItemList:
+    async def list_input_items(response_id: str, key: Key, page: ItemPage) -> InputItemList:
         with store_answering():
             stored = await store.get(response_id, key)
         if stored is None:
             raise _not_found(response_id)
-        return page_of(stored.input, limit, order, after)
+        return page.of(stored.input)
 
     return runs
 
