@@ -151,6 +151,12 @@ def test_a_conversation_gathers_each_responses_input_and_output_and_the_next_con
     # the first turn's state is taken over, as for previous_response_id
     assert second.usage.input_tokens_details.cached_tokens >= len(live.codec.encode_chat(history[:2]))
     assert len(client.conversations.items.list(kept.id).data) == 4  # store: false adds to it all the same
+    later = client.responses.create(
+        model=MODEL, conversation=kept.id, input="One more?", max_output_tokens=4, temperature=0, background=True
+    )
+    assert _polled(client, later.id).conversation.id == kept.id
+    newest = client.conversations.items.list(kept.id, limit=2).data  # a background response adds to it as it ends
+    assert [item.role for item in newest] == ["assistant", "user"] and newest[1].content[0].text == "One more?"
     client.conversations.delete(kept.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model=MODEL, conversation=kept.id, input="Hi", max_output_tokens=2)
