@@ -295,9 +295,12 @@ def test_a_background_response_is_polled_to_the_engines_answer_and_may_be_cancel
         client.responses.create(model=MODEL, input="More.", previous_response_id=long.id, max_output_tokens=2)
     assert refused.value.body["param"] == "previous_response_id"
     assert _polled(client, long.id, until=("queued",)).status == "in_progress"
+    running = re.compile(r"^cascadia_background_responses (\S+)$", re.M)
+    assert float(running.search(httpx.get(live.base + "/metrics").text).group(1)) == 1
     cancelled = client.responses.cancel(long.id)
     assert cancelled.status == "cancelled" and cancelled.id == long.id
     wait_until_free(live, timeout=2.0)  # stopped on the router well before its 600 tokens
+    assert float(running.search(httpx.get(live.base + "/metrics").text).group(1)) == 0
     assert client.responses.retrieve(long.id).status == "cancelled"
     assert client.responses.cancel(long.id).status == "cancelled"
 

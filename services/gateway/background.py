@@ -78,6 +78,7 @@ class BackgroundRuns:
         if run.failed_events is not None:
             self._added[run.id] = asyncio.Event()
         self._tasks[run.id] = asyncio.ensure_future(self._run(run))
+        self.metrics.background_runs.inc()
 
     async def follow(self, response_id: str, owner: str, after: int = -1) -> AsyncIterator[dict[str, Any]]:
         """A background response's kept events after sequence number `after`, then each as it is added,
@@ -190,4 +191,5 @@ class BackgroundRuns:
         finally:
             run.release()
             self._tasks.pop(run.id, None)
+            self.metrics.background_runs.dec()
             self._tell_followers(run.id, last=True)

@@ -39,6 +39,9 @@ class GatewayMetrics:
         )
         self.errors = Counter("cascadia_errors", "Failed requests by kind.", ["kind"], registry=r)
         self.in_flight = Gauge("cascadia_requests_in_flight", "Requests being served by this gateway.", registry=r)
+        self.background_runs = Gauge(
+            "cascadia_background_responses", "Background responses this gateway is generating.", registry=r
+        )
         self.queue_depth = Gauge(
             "cascadia_router_queue_depth", "Requests waiting in the router for admission.", registry=r
         )
