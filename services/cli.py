@@ -1070,7 +1070,11 @@ def bench_engine(
     oracle: Annotated[bool, typer.Option(help="Also time transformers on the same checkpoint.")] = True,
     threads: Annotated[int, typer.Option(help="Threads for both engines (0: all cores).")] = 0,
     expert_kernels: Annotated[
-        str, typer.Option(help="Expert kernels to run each precision with: auto (the device's pick), fused, grouped.")
+        str,
+        typer.Option(
+            help="Expert kernels to run each precision with: auto (the device's pick), fused, grouped, "
+            "vnni (the project's int8 CPU kernel)."
+        ),
     ] = "auto",
     layer_calls: Annotated[
         str,

@@ -201,8 +201,9 @@ def test_the_device_picks_the_expert_kernel_unless_told():
     # banks read already compressed (a GGUF's blocks) keep the fused kernel unless one is named
     assert EngineSettings().ffn_form.compressed_experts == "fused"
     assert EngineSettings(expert_kernel="grouped").ffn_form.compressed_experts == "grouped"
-    # int8 activations multiply in int8 in the CPU's plain compressed matmuls, so such banks run grouped
-    assert preset("w8a8").expert_kernel_path == preset("w8a8").ffn_form.compressed_experts == "grouped"
+    # int8 banks with int8 activations run on the project's int8 kernel on the CPU (grouped where it
+    # cannot: tests/test_cpu_kernels.py)
+    assert preset("w8a8").expert_kernel_path == preset("w8a8").ffn_form.compressed_experts == "vnni"
     assert preset("w8a8", device="GPU").ffn_form.compressed_experts == "fused"
     assert preset("w8a8", expert_kernel="fused").ffn_form.compressed_experts == "fused"
     # bf16 experts run typed inside the residual stream's f32 graph; f16 ones (the iGPU's) apart

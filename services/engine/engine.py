@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import openvino as ov
 
-from cascadia.engine import graphs, llama_graphs, mapped, stage_graph
+from cascadia.engine import cpu_kernels, graphs, llama_graphs, mapped, stage_graph
 from cascadia.engine.batch import KeyPlan, Segment, StepPlan, check_segments, plan_step
 from cascadia.engine.far_stack import FarStack
 from cascadia.engine.kv_quant import STORAGE, bytes_per_element
@@ -280,6 +280,7 @@ class StageEngine:
         self.is_first = weights.embed is not None
         self.is_last = weights.head is not None
         core = ov.Core()
+        cpu_kernels.add_to(core, settings)
         # a paged Llama stage's graph starts from the token ids itself: one call per step, not two
         paged_llama = self.shape.family == "llama" and not settings.split_expert_graph and settings.paged_attention
         self._embeds_in_stage = self.is_first and paged_llama

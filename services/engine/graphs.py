@@ -19,10 +19,11 @@ import openvino as ov
 import openvino.opset16 as ops
 from openvino.utils.node_factory import NodeFactory
 
+from cascadia.engine import cpu_kernels
 from cascadia.engine.kv_quant import PARAMS
 from cascadia.engine.settings import FUSED_FFN, FfnForm
 from cascadia.engine.state import KV_BLOCK
-from cascadia.engine.weights import Quantized, Weight, WeightFormat, weight_node
+from cascadia.engine.weights import Quantized, Weight, WeightFormat, quantize, weight_node
 from cascadia.model.checkpoint import ExpertWeights, LayerWeights
 from cascadia.model.config import ModelShape
 from cascadia.model.formats import (
@@ -497,17 +498,42 @@ def _grouped_experts(
     return ops.scatter_nd_update(zeros, ops.unsqueeze(rows, _i64(1)), outputs, "sum")
 
 
-def _bank_form(weight: Weight, fmt: WeightFormat, ffn: FfnForm) -> str:
-    """The form of a bank: its weights' stored format (as read, else as the settings store them) picks it."""
-    stored = weight.fmt if isinstance(weight, Quantized) else fmt
-    return ffn.experts if stored == "f32" else ffn.compressed_experts
+def _vnni_experts(x: Node, index: Node, weight: Node, bank: ExpertWeights) -> Node:
+    """The bank on the project's int8 CPU kernel, its weights quantised as the int8 format stores them."""
+    gate, up, down = (w if isinstance(w, Quantized) else quantize(w, "int8") for w in (bank.gate, bank.up, bank.down))
+    gate_up = np.concatenate([gate.values, up.values], axis=1)  # [E, 2I, H]: gate rows, then up rows
+    gate_up_scale = np.concatenate([gate.scale, up.scale], axis=1)[..., 0]
+    return cpu_kernels.expert_bank(
+        _output(x), _output(index), _output(weight), gate_up, gate_up_scale, down.values, down.scale[..., 0]
+    )
+
+
+def _output(x: Node | ov.Output) -> ov.Output:
+    return x.output(0) if isinstance(x, ov.Node) else x
+
+
+def _bank_form(bank: ExpertWeights, fmt: WeightFormat, ffn: FfnForm) -> str:
+    """The form of a bank: its weights' stored format (as read, else as the settings store them) picks it.
+
+    The int8 kernel takes per-channel int8 weights whose sizes fit its groups, on a CPU that runs it;
+    any other bank it would be given runs grouped.
+    """
+    stored = bank.gate.fmt if isinstance(bank.gate, Quantized) else fmt
+    form = ffn.experts if stored == "f32" else ffn.compressed_experts
+    if form == "vnni":
+        hidden, inner = bank.gate.shape[2], bank.gate.shape[1]
+        usable = stored == "int8" and cpu_kernels.fits(hidden, inner) and cpu_kernels.expert_bank_available()
+        return "vnni" if usable else "grouped"
+    return form
 
 
 def _expert_bank(
     x: Node, index: Node, weight: Node, bank: ExpertWeights, fmt: WeightFormat, ffn: FfnForm, i: int, h: int
 ) -> Node:
     """The experts `index` names for each row, weighted, in the form `ffn` gives the bank, in f32."""
-    form, compute = _bank_form(bank.gate, fmt, ffn), ffn.compute
+    form, compute = _bank_form(bank, fmt, ffn), ffn.compute
+    if form == "vnni":
+        return _vnni_experts(x, index, weight, bank)
     if form == "grouped":
         return _grouped_experts(x, index, weight, bank, fmt, f"l{i}.experts", compute)
     gate, up, down = (

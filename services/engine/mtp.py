@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import openvino as ov
 
-from cascadia.engine import graphs, mapped
+from cascadia.engine import cpu_kernels, graphs, mapped
 from cascadia.engine.batch import Segment
 from cascadia.engine.engine import Progress, StageEngine, _infer, compile_config
 from cascadia.engine.settings import EngineSettings
@@ -41,6 +41,7 @@ class MtpHead:
         self.depths = len(weights.depths)
         self.vocab = min(vocab or shape.unpadded_vocab_size, shape.unpadded_vocab_size)
         core = ov.Core()
+        cpu_kernels.add_to(core, settings)
         cfg = compile_config(settings, settings.residual_compute)
         total, done = 2 * self.depths + 2, 0
 

@@ -11,9 +11,11 @@ Compute = Literal["f32", "bf16", "f16"]
 KvPrecision = Literal["f32", "f16", "u8"]
 DenseFfn = Literal["auto", "experts", "matmul"]
 DENSE_FFNS: tuple[DenseFfn, ...] = ("auto", "experts", "matmul")
-ExpertKernel = Literal["auto", "fused", "grouped"]
-EXPERT_KERNELS: tuple[ExpertKernel, ...] = ("auto", "fused", "grouped")
-BankForm = Literal["fused", "grouped"]
+ExpertKernel = Literal["auto", "fused", "grouped", "vnni"]
+EXPERT_KERNELS: tuple[ExpertKernel, ...] = ("auto", "fused", "grouped", "vnni")
+BankForm = Literal["fused", "grouped", "vnni"]
+# the input quantisation group of the project's int8 expert kernel (`cascadia.engine.cpu_kernels`)
+VNNI_GROUP = 32
 LlamaAttention = Literal["auto", "paged", "blocks"]
 LLAMA_ATTENTIONS: tuple[LlamaAttention, ...] = ("auto", "paged", "blocks")
 KV_PRECISIONS: tuple[KvPrecision, ...] = ("f32", "f16", "u8")
@@ -33,7 +35,8 @@ class FfnForm:
     `dense`: a dense bank as all-active expert slices ("experts") or plain matmuls ("matmul").
     `experts`: an expert bank in the vectorised form the plugins fuse into their MoE kernels
     ("fused"), or its (row, expert) pairs sorted by expert and each expert's rows run as one plain
-    matmul ("grouped").
+    matmul ("grouped"), or on the CPU the project's int8 kernel ("vnni", int8-stored banks with int8
+    inputs; others run grouped).
     `compressed_experts`: the form of a bank whose weights are stored compressed, whether by the
     expert format or as read from the file (a GGUF's blocks); `experts` is then the f32 banks' form.
     `compute`: the arithmetic of the banks, dense FFNs and shared experts. "bf16" runs them as
@@ -75,7 +78,8 @@ class EngineSettings:
     # plain matmuls over the joined slices beside the routed bank; "auto" picks per device
     dense_ffn: DenseFfn = "auto"
     # expert banks: "fused" emits the form OpenVINO fuses into its MoE kernel, "grouped" one matmul
-    # per expert over the rows that chose it; "auto" picks per device and precision
+    # per expert over the rows that chose it, "vnni" the project's int8 CPU kernel (int8 banks with
+    # inputs quantised in groups of 32); "auto" picks per device and precision
     expert_kernel: ExpertKernel = "auto"
     # keys and values as the streams keep them; f16 halves KV memory for long contexts, u8 (a scale
     # and an offset per row and head) takes a little over a quarter
@@ -168,12 +172,17 @@ class EngineSettings:
         ahead to about 32 rows (docs/benchmarks.md "Grouped experts"). With int8 activations
         (`activation_quant_group`) the plain compressed matmuls multiply in int8, and grouped banks ran
         1.34x the fused kernel at 32 streams of the mini preset (0.75x at one stream;
-        docs/benchmarks.md "int8 activations"), so such banks run grouped. The iGPU keeps its fused kernel.
+        docs/benchmarks.md "int8 activations"). The project's own int8 kernel reads each chosen expert
+        once a call without the grouped banks' per-expert nodes, so int8 banks with inputs in its
+        groups run on it where the CPU has AVX-512 VNNI (the graph falls back to grouped elsewhere,
+        `cascadia.engine.graphs`), and other compressed banks with int8 inputs run grouped. The iGPU
+        keeps its fused kernel.
         """
         if self.expert_kernel != "auto":
             return self.expert_kernel
-        cpu = self.device.upper().startswith("CPU")
-        return "grouped" if cpu and self.activation_quant_group else "fused"
+        if not self.device.upper().startswith("CPU") or not self.activation_quant_group:
+            return "fused"
+        return "vnni" if self.activation_quant_group == VNNI_GROUP else "grouped"
 
     @property
     def ffn_form(self) -> FfnForm:
