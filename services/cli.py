@@ -1092,16 +1092,23 @@ def bench_engine(
 ) -> None:
     """Decode and prefill throughput of the engine against transformers and the bandwidth floor."""
     from cascadia.bench.engine import EngineBenchConfig, run_engine_bench
-    from cascadia.engine.settings import EXPERT_KERNELS
+    from cascadia.engine.settings import EXPERT_KERNELS, preset
 
     kernels = listed(expert_kernels, "--expert-kernels", EXPERT_KERNELS)
     calls = listed(layer_calls, "--layer-calls", ("joined", "apart"))
+    modes = tuple(p for p in precisions.split(",") if p)
+    for mode in modes:
+        for kernel in kernels:
+            try:
+                preset(mode, expert_kernel=kernel)
+            except ValueError as exc:
+                raise fail(f"--precisions {mode} with --expert-kernels {kernel}: {exc}") from None
 
     config = EngineBenchConfig(
         model=model,
         out=out,
         streams=positive_ints(streams, "--streams"),
-        precisions=tuple(p for p in precisions.split(",") if p),
+        precisions=modes,
         steps=steps,
         repeats=repeats,
         oracle=oracle,

@@ -188,7 +188,15 @@ def test_an_unknown_layer_call_is_named_in_the_error(tmp_path):
 def test_an_unknown_expert_kernel_is_named_in_the_error(tmp_path):
     done = cascadia("bench", "engine", "--out", str(tmp_path), "--expert-kernels", "fused,gemv")
     assert done.returncode == 2
-    assert "'gemv' is not one of auto, fused, grouped" in done.stderr
+    assert "'gemv' is not one of auto, fused, grouped, vnni" in done.stderr
+
+
+def test_the_int8_kernel_asked_for_a_precision_without_int8_inputs_is_refused_before_anything_runs(tmp_path):
+    done = cascadia("bench", "engine", "--out", str(tmp_path), "--precisions", "w8a8,int8", "--expert-kernels", "vnni")
+    assert done.returncode == 2
+    assert "--precisions int8 with --expert-kernels vnni" in done.stderr
+    assert "needs activation_quant_group 32" in done.stderr
+    assert not list(tmp_path.iterdir())
 
 
 def test_the_device_picks_the_expert_kernel_unless_told():

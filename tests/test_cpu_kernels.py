@@ -168,6 +168,8 @@ def test_w8a8_banks_take_the_kernel_on_the_cpu_only():
     # the kernel's groups are 32 wide: other groups keep the plugin's grouped matmuls
     assert preset("w8a8", activation_quant_group=64).ffn_form.compressed_experts == "grouped"
     assert preset("int8").ffn_form.compressed_experts == "fused"
+    with pytest.raises(ValueError, match="expert_kernel 'vnni' .* needs activation_quant_group 32 .* got 0"):
+        preset("int8", expert_kernel="vnni")
 
 
 def test_banks_the_kernel_cannot_take_run_grouped(monkeypatch):

@@ -117,6 +117,12 @@ class EngineSettings:
             raise ValueError(f"dense_ffn '{self.dense_ffn}' is not one of {', '.join(DENSE_FFNS)}")
         if self.expert_kernel not in EXPERT_KERNELS:
             raise ValueError(f"expert_kernel '{self.expert_kernel}' is not one of {', '.join(EXPERT_KERNELS)}")
+        if self.expert_kernel == "vnni" and self.activation_quant_group != VNNI_GROUP:
+            # the kernel always quantises its inputs: asked for otherwise, it would do so unasked
+            raise ValueError(
+                f"expert_kernel 'vnni' quantises the banks' inputs in groups of {VNNI_GROUP}: it needs "
+                f"activation_quant_group {VNNI_GROUP} (the w8a8 preset), got {self.activation_quant_group}"
+            )
         if self.llama_attention not in LLAMA_ATTENTIONS:
             raise ValueError(f"llama_attention '{self.llama_attention}' is not one of {', '.join(LLAMA_ATTENTIONS)}")
         if self.llama_attention == "paged" and self.kv_precision == "u8":
