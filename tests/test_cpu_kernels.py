@@ -207,6 +207,18 @@ def test_without_a_compiler_the_kernels_are_unavailable_with_the_reason(monkeypa
         cpu_kernels.expert_bank_available.cache_clear()
 
 
+def test_a_cache_directory_that_cannot_be_written_leaves_the_kernels_unavailable(monkeypatch, tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    monkeypatch.setenv("CASCADIA_CACHE_DIR", str(blocked))
+    cpu_kernels.library.cache_clear()
+    try:
+        with pytest.raises(cpu_kernels.KernelUnavailable, match=f"under {blocked}/kernels/.* failed"):
+            cpu_kernels.library()
+    finally:
+        cpu_kernels.library.cache_clear()
+
+
 def test_a_source_that_does_not_compile_says_what_the_compiler_said(monkeypatch, tmp_path):
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")

@@ -91,19 +91,19 @@ def library() -> Path:
     target = cache_root() / "kernels" / _digest(compiler) / LIBRARY_NAME
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     log.info("building the CPU kernels into %s", target.parent)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / LIBRARY_NAME
-        try:
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / LIBRARY_NAME
             done = subprocess.run(
                 compile_command(compiler, built), capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S
             )
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise KernelUnavailable(f"building the CPU kernels failed: {exc}") from exc
-        if done.returncode != 0:
-            raise KernelUnavailable(f"building the CPU kernels failed:\n{done.stderr.strip()[-2000:]}")
-        os.replace(built, target)  # atomic: processes building at once each rename a whole library
+            if done.returncode != 0:
+                raise KernelUnavailable(f"building the CPU kernels failed:\n{done.stderr.strip()[-2000:]}")
+            os.replace(built, target)  # atomic: processes building at once each rename a whole library
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise KernelUnavailable(f"building the CPU kernels under {target.parent} failed: {exc}") from exc
     return target
 
 
