@@ -131,6 +131,10 @@ def test_an_expert_index_out_of_range_is_an_error_not_a_crash():
     with pytest.raises(RuntimeError, match="expert index 4 out of range"):
         request.infer([x, np.array([[0], [4]], np.int32), np.ones((2, 1), np.float32)])
     assert request.infer([x, np.array([[0], [3]], np.int32), np.ones((2, 1), np.float32)])[0].shape == (2, hidden)
+    with pytest.raises(RuntimeError, match="must have the same rows"):
+        request.infer([x, np.array([[0]], np.int32), np.ones((1, 1), np.float32)])
+    with pytest.raises(RuntimeError, match="must have the same rows"):
+        request.infer([x, np.array([[0], [1]], np.int32), np.ones((3, 1), np.float32)])
 
 
 PLAIN_SCRIPT = """

@@ -280,6 +280,23 @@ public:
         const int experts = static_cast<int>(gate_up_shape[0]);
         const int gate_up_width = static_cast<int>(gate_up_shape[1] * kLanes);
         const int inner = gate_up_width / 2;
+        const auto& down_shape = inputs[5].get_shape();
+        // shapes the graph guarantees, checked because a mismatch would read past the tensors
+        OPENVINO_ASSERT(x.get_shape().size() == 2 && index.get_shape().size() == 2, "x and index must be 2-D");
+        OPENVINO_ASSERT(index.get_shape()[0] == x.get_shape()[0] && inputs[2].get_shape() == index.get_shape(),
+                        "x ", x.get_shape(), ", index ", index.get_shape(), " and weight ", inputs[2].get_shape(),
+                        " must have the same rows and index and weight the same shape");
+        OPENVINO_ASSERT(hidden % kGroup == 0 && inner % kGroup == 0, "hidden ", hidden, " and expert width ", inner,
+                        " must be multiples of ", kGroup);
+        OPENVINO_ASSERT(gate_up_shape == ov::Shape({size_t(experts), size_t(gate_up_width / kLanes),
+                                                    size_t(hidden / kQuad), size_t(kLanes), size_t(kQuad)}),
+                        "gate_up ", gate_up_shape, " does not match x ", x.get_shape());
+        OPENVINO_ASSERT(down_shape == ov::Shape({size_t(experts), size_t(hidden / kLanes), size_t(inner / kQuad),
+                                                 size_t(kLanes), size_t(kQuad)}),
+                        "down ", down_shape, " does not match gate_up ", gate_up_shape);
+        OPENVINO_ASSERT(inputs[4].get_size() == size_t(experts) * gate_up_width &&
+                            inputs[6].get_size() == size_t(experts) * hidden,
+                        "one scale per expert and output channel");
         outputs[0].set_shape(x.get_shape());
         float* out = outputs[0].data<float>();
         if (rows == 0) return true;
