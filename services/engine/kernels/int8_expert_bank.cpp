@@ -11,13 +11,12 @@
 //         gate_up scale [E, 2I] f32; down [E, H/16, I/4, 16, 4] i8; down scale [E, H] f32.
 // Output: [T, H] f32, each row the sum of its chosen experts' outputs, in the order of its choices,
 //         so a row's result does not depend on the other rows of the call.
+// It runs only on a CPU with AVX-512 VNNI; the engine gives banks to it nowhere else.
 
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -44,20 +43,6 @@ struct QuantisedRows {
     const uint8_t* row(int64_t r) const { return codes.data() + r * length; }
     const float* row_scales(int64_t r) const { return scales.data() + r * (length / kGroup); }
 };
-
-static void quantise_row_plain(const float* values, int length, uint8_t* codes, float* scales) {
-    for (int g = 0; g < length / kGroup; ++g) {
-        const float* v = values + g * kGroup;
-        float largest = 0.f;
-        for (int k = 0; k < kGroup; ++k) largest = std::max(largest, std::fabs(v[k]));
-        const float inverse = largest > 0.f ? 127.f / largest : 0.f;
-        scales[g] = largest / 127.f;
-        for (int k = 0; k < kGroup; ++k) {
-            const float code = std::nearbyint(v[k] * inverse);
-            codes[g * kGroup + k] = static_cast<uint8_t>(static_cast<int>(std::clamp(code, -127.f, 127.f)) + 128);
-        }
-    }
-}
 
 // out[r][n] for the 16 channels of block `block` of packed weights `w` [N/16, K/4, 16, 4],
 // for `count` rows (at most kRowTile): sum over groups of (integer dot product) * row scale,
@@ -94,39 +79,15 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void block_rows_vn
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r], _mm512_mul_ps(total[r], scale));
 }
 
-// The same arithmetic without vector instructions, for CPUs without AVX-512 VNNI.
-static void block_rows_plain(const int8_t* w, const float* channel_scale, int K, const uint8_t* const* codes,
-                             const float* const* scales, float* const* out, int count) {
-    for (int r = 0; r < count; ++r) {
-        for (int lane = 0; lane < kLanes; ++lane) {
-            float total = 0.f;
-            for (int g = 0; g < K / kGroup; ++g) {
-                int32_t dot = 0;
-                for (int q = 0; q < kGroup / kQuad; ++q) {
-                    const int8_t* wq = w + (static_cast<int64_t>(g) * (kGroup / kQuad) + q) * kLanes * kQuad + lane * kQuad;
-                    for (int j = 0; j < kQuad; ++j)
-                        dot += (static_cast<int32_t>(codes[r][g * kGroup + q * kQuad + j]) - 128) * wq[j];
-                }
-                total += static_cast<float>(dot) * scales[r][g];
-            }
-            out[r][lane] = total * channel_scale[lane];
-        }
-    }
-}
-
-// CASCADIA_CPU_KERNELS=plain keeps the vector instructions out (the tests compare both paths).
-static bool has_vnni() {
-    static const bool supported = [] {
-        const char* choice = std::getenv("CASCADIA_CPU_KERNELS");
-        if (choice != nullptr && std::strcmp(choice, "plain") == 0) return false;
-        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512vnni");
-    }();
+static bool cpu_runs_vnni() {
+    static const bool supported = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                                  __builtin_cpu_supports("avx512vnni");
     return supported;
 }
 
-// quantise_row_plain with AVX-512: the conversion rounds to nearest even, as std::nearbyint does.
-__attribute__((target("avx512f,avx512bw"))) static void quantise_row_vnni(const float* values, int length,
+// Symmetric int8 codes in groups of 32, one scale per group (largest magnitude / 127), stored plus 128
+// as unsigned bytes (VNNI's first operand); the conversion rounds to nearest even.
+__attribute__((target("avx512f,avx512bw"))) static void quantise_row(const float* values, int length,
                                                                           uint8_t* codes, float* scales) {
     const __m512i low = _mm512_set1_epi32(-127), high = _mm512_set1_epi32(127), offset = _mm512_set1_epi32(128);
     for (int g = 0; g < length / kGroup; ++g) {
@@ -145,7 +106,7 @@ __attribute__((target("avx512f,avx512bw"))) static void quantise_row_vnni(const 
 
 // swish(gate) * up * weight over a pair's row: e^x by 2^n * e^r, |r| <= ln2 / 2, with a degree-6
 // polynomial for e^r (within 2 ulp of std::exp over the range that does not overflow)
-__attribute__((target("avx512f"))) static void mix_row_vnni(const float* gate, const float* up, float weight,
+__attribute__((target("avx512f"))) static void mix_row(const float* gate, const float* up, float weight,
                                                               int length, float* mixed) {
     const __m512 log2e = _mm512_set1_ps(1.44269504f), ln2_hi = _mm512_set1_ps(0.693359375f),
                  ln2_lo = _mm512_set1_ps(-2.12194440e-4f), one = _mm512_set1_ps(1.f);
@@ -170,23 +131,8 @@ __attribute__((target("avx512f"))) static void mix_row_vnni(const float* gate, c
     }
 }
 
-static void mix_row_plain(const float* gate, const float* up, float weight, int length, float* mixed) {
-    for (int i = 0; i < length; ++i) mixed[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i] * weight;
-}
-
-static void quantise_row(const float* values, int length, uint8_t* codes, float* scales) {
-    if (has_vnni()) return quantise_row_vnni(values, length, codes, scales);
-    quantise_row_plain(values, length, codes, scales);
-}
-
-static void mix_row(const float* gate, const float* up, float weight, int length, float* mixed) {
-    if (has_vnni() && length % 16 == 0) return mix_row_vnni(gate, up, weight, length, mixed);
-    mix_row_plain(gate, up, weight, length, mixed);
-}
-
 static void block_rows(const int8_t* w, const float* channel_scale, int K, const uint8_t* const* codes,
                        const float* const* scales, float* const* out, int count) {
-    if (!has_vnni()) return block_rows_plain(w, channel_scale, K, codes, scales, out, count);
     switch (count) {
         case 1: return block_rows_vnni<1>(w, channel_scale, K, codes, scales, out);
         case 2: return block_rows_vnni<2>(w, channel_scale, K, codes, scales, out);
@@ -297,6 +243,7 @@ public:
         OPENVINO_ASSERT(inputs[4].get_size() == size_t(experts) * gate_up_width &&
                             inputs[6].get_size() == size_t(experts) * hidden,
                         "one scale per expert and output channel");
+        OPENVINO_ASSERT(cpu_runs_vnni(), "Int8ExpertBank needs a CPU with AVX-512 VNNI");
         outputs[0].set_shape(x.get_shape());
         float* out = outputs[0].data<float>();
         if (rows == 0) return true;
@@ -340,11 +287,9 @@ public:
         mixed_codes.codes.resize(pairs * inner);
         mixed_codes.scales.resize(pairs * (inner / kGroup));
         ov::parallel_for(pairs, [&](size_t slot) {
-            std::vector<float> mixed(inner);
-            const float* g = gate_up.data() + slot * gate_up_width;
-            const float weight = routing[pair_of[slot]];
-            mix_row(g, g + inner, weight, inner, mixed.data());
-            quantise_row(mixed.data(), inner, mixed_codes.codes.data() + slot * inner,
+            float* g = gate_up.data() + slot * gate_up_width;
+            mix_row(g, g + inner, routing[pair_of[slot]], inner, g);  // in place over the pair's gate half
+            quantise_row(g, inner, mixed_codes.codes.data() + slot * inner,
                          mixed_codes.scales.data() + slot * (inner / kGroup));
         });
         std::vector<int64_t> identity(pairs);
