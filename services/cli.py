@@ -7,6 +7,7 @@ import functools
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -84,6 +85,17 @@ def progress_bar() -> Progress:
     )
 
 
+def log_line(line: str) -> None:
+    """A progress line on stderr, kept by terminals and pod logs alike."""
+    print(f"{time.strftime('%H:%M:%S')} {line}", file=sys.stderr, flush=True)
+
+
+def log_progress(line: str) -> None:
+    """A progress line that a pod log keeps: printed where stderr is not a terminal (there the bar shows it)."""
+    if not err.is_terminal:
+        log_line(line)
+
+
 @model_app.command("tiny")
 def model_tiny(
     out: Annotated[Path, typer.Argument(help="Directory to write the checkpoint to.")],
@@ -95,14 +107,40 @@ def model_tiny(
     mtp_layers: Annotated[
         int, typer.Option(min=0, help="Depths of a multi-token-prediction head (implies --layout published).")
     ] = 0,
+    layers: Annotated[int, typer.Option(min=1, help="inkling-975b: decoder layers (the first dense).")] = 2,
+    experts: Annotated[int, typer.Option(min=1, help="inkling-975b: routed experts per sparse layer.")] = 8,
+    vocab: Annotated[int, typer.Option(min=512, help="inkling-975b: vocabulary rows.")] = 4096,
+    dtype: Annotated[str, typer.Option(help="inkling-975b: bf16, f16, f32 or fp8 (E4M3, 128x128 block scales).")] = (
+        "bf16"
+    ),
+    shard_size: Annotated[str, typer.Option(help="inkling-975b: largest safetensors file, e.g. 2Gi.")] = "2Gi",
 ) -> None:
-    """Write a synthetic Inkling checkpoint that InklingForCausalLM.from_pretrained loads."""
-    from cascadia.model.synthetic import PRESETS, SyntheticSpec, write_checkpoint
+    """Write a synthetic Inkling checkpoint that InklingForCausalLM.from_pretrained loads.
 
-    if preset not in PRESETS:
-        raise fail(f"--preset '{preset}' is not one of {', '.join(PRESETS)}")
+    `--preset inkling-975b` writes layers at the 975B model's real width, tensor by tensor, sharded
+    with an index: --layers, --experts and --vocab shrink it to fit a machine, --dtype picks how it is
+    stored."""
+    from cascadia.model.synthetic import PRESETS, SyntheticSpec, write_checkpoint
+    from cascadia.model.synthetic_real import DTYPES, REAL_WIDTH_PRESET, write_real_width
+
     if layout not in ("inkling_text", "published"):
         raise fail(f"--layout '{layout}' is not one of inkling_text, published")
+    if preset == REAL_WIDTH_PRESET:
+        from cascadia.planner import PlanError, parse_size
+
+        if dtype not in DTYPES:
+            raise fail(f"--dtype '{dtype}' is not one of {', '.join(DTYPES)}")
+        if mtp_layers:
+            raise fail(f"--mtp-layers is not written for --preset {REAL_WIDTH_PRESET}")
+        try:
+            shard_bytes = parse_size(shard_size)
+        except PlanError as exc:
+            raise fail(f"--shard-size: {exc}") from None
+        write_real_width(out, layers, experts, vocab, dtype, layout, seed, shard_bytes, progress=log_line)
+        err.print(f"wrote {out}")
+        return
+    if preset not in PRESETS:
+        raise fail(f"--preset '{preset}' is not one of {', '.join((*PRESETS, REAL_WIDTH_PRESET))}")
     if mtp_layers:
         layout = "published"
     spec = SyntheticSpec(preset=preset, seed=seed, layout=layout, mtp_layers=mtp_layers)  # type: ignore[arg-type]
@@ -153,26 +191,44 @@ def parse_prompt_ids(text: str) -> list[int]:
     return ids
 
 
-def load_engine(model_dir: Path, settings, start: int | None = None, end: int | None = None):
+def load_engine(
+    model_dir: Path, settings, start: int | None = None, end: int | None = None, precision: str | None = None
+):
+    """The engine of layers [start, end) (default: all): from a converted stage (its graphs mapped, nothing
+    quantised), an Inkling checkpoint (each layer read and quantised as its graph is built), or another
+    model's weights."""
+    from cascadia.engine import converted
     from cascadia.engine.engine import StageEngine
     from cascadia.engine.memory import release_unused_memory
-    from cascadia.model.loader import load_shape, load_stage
+    from cascadia.model.checkpoint import StageReader
+    from cascadia.model.loader import is_gguf, load_shape, load_stage
 
     shape = load_shape(model_dir)
     start = 0 if start is None else start
     end = shape.num_layers if end is None else end
     with progress_bar() as bar:
         task = bar.add_task("reading weights", total=None)
-        weights = load_stage(model_dir, start, end)
-        bar.update(task, description="compiling", total=end - start + int(start == 0) + int(end == shape.num_layers))
+        total = end - start + int(start == 0) + int(end == shape.num_layers)
 
         def tick(what: str, done: int, total: int) -> None:
             bar.update(task, description=f"compiling {what}", completed=done, total=total)
+            log_progress(f"stage {start}:{end}: {what} ({done}/{total})")
 
-        # the compiled stage holds its own copy: the file's arrays and compile-time buffers can go
-        reload = functools.partial(load_stage, model_dir, start, end)
-        engine = StageEngine(weights, settings, progress=tick, reload=reload)
-        del weights
+        if converted.is_converted(model_dir):
+            store = converted.open_converted(model_dir, settings, start, end, precision)
+            bar.update(task, description="mapping and compiling", total=total)
+            layers = converted.ConvertedLayers(shape, start, end)
+            engine = StageEngine(layers, settings, progress=tick, graph_store=store)
+        elif shape.family == "inkling" and not is_gguf(model_dir):
+            bar.update(task, description="reading and compiling", total=total)
+            engine = StageEngine(StageReader(model_dir, start, end, settings.stored_forms), settings, progress=tick)
+        else:
+            weights = load_stage(model_dir, start, end)
+            bar.update(task, description="compiling", total=total)
+            # the compiled stage holds its own copy: the file's arrays and compile-time buffers can go
+            reload = functools.partial(load_stage, model_dir, start, end)
+            engine = StageEngine(weights, settings, progress=tick, reload=reload)
+            del weights
         release_unused_memory()
         return engine
 

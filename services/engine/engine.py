@@ -20,6 +20,7 @@ import openvino as ov
 from cascadia.engine import cpu_kernels, graphs, llama_graphs, mapped, stage_graph
 from cascadia.engine.batch import KeyPlan, Segment, StepPlan, check_segments, plan_step
 from cascadia.engine.far_stack import FarStack
+from cascadia.engine.graph_store import BuiltGraphs, GraphStore
 from cascadia.engine.kv_quant import STORAGE, bytes_per_element
 from cascadia.engine.paged import BlockPool, PagedTables, blocks_for, paged_tables
 from cascadia.engine.settings import EngineSettings
@@ -37,9 +38,9 @@ from cascadia.engine.state import (
     conv_histories,
     history_slots,
 )
-from cascadia.model.checkpoint import LayerWeights, StageWeights
+from cascadia.model.checkpoint import HeldStage, LayerWeights, StageReader, StageWeights
 from cascadia.model.config import AttentionShape
-from cascadia.model.formats import as_float
+from cascadia.model.formats import as_float, expert_slice
 
 CONV_INPUTS = stage_graph.CONV_INPUTS  # as their histories lie in a stream's ring
 Progress = Callable[[str, int, int], None]
@@ -87,7 +88,9 @@ def _power_of_two_scale(layer: LayerWeights) -> float:
     A bound on |output| per unit of input activation is the largest row L1-norm of the down
     weights; 2^-n brings it under 2^8, leaving room for large activations.
     """
-    bound = float(np.abs(as_float(layer.experts.down)).sum(axis=-1).max())
+    down = layer.experts.down
+    # expert by expert: a bank of the real model's width in f32 would not fit in memory
+    bound = max(float(np.abs(as_float(expert_slice(down, j))).sum(axis=-1).max()) for j in range(down.shape[0]))
     exponent = max(0, math.ceil(math.log2(max(bound, 1e-30))) - 8)
     return 2.0**-exponent
 
@@ -114,33 +117,37 @@ class _Layer:
         self.expert_request: ov.InferRequest | None = None
         self.post_request: ov.InferRequest | None = None
 
-    def compile(self, core: ov.Core, shape, weights: LayerWeights, settings: EngineSettings) -> None:
+    def compile(
+        self, core: ov.Core, source: StageReader | HeldStage, settings: EngineSettings, store: GraphStore
+    ) -> None:
         """The layer's own models: attention with the experts, or (experts that run apart,
         `EngineSettings.split_expert_graph`) attention, experts and the post-expert residual as three."""
         split = settings.split_expert_graph
         residual_cfg = compile_config(settings, settings.residual_compute)
-        model = _layer_graph(shape, weights, settings, None if split else settings.expert_weights)
-        self.attention_model = mapped.compile_model(core, model, settings, residual_cfg)
+        i = self.index
+
+        def model_of(name: str) -> ov.Model:
+            return store.model(name, graph_builder(source, settings, name))
+
+        model = model_of(f"layer{i}.attention" if split else f"layer{i}")
+        self.attention_model = core.compile_model(model, settings.device, residual_cfg)
         self.attention_request = self.attention_model.create_infer_request()
         if not split:
             return
-        scale = _power_of_two_scale(weights)
+        experts = model_of(f"layer{i}.experts")
         try:
-            self.expert_model = mapped.compile_model(
-                core,
-                graphs.expert_graph(shape, weights, settings.expert_weights, scale, settings.ffn_form),
-                settings,
-                compile_config(settings, settings.expert_compute),
+            self.expert_model = core.compile_model(
+                experts, settings.device, compile_config(settings, settings.expert_compute)
             )
         except RuntimeError as exc:
             raise UnsupportedSettings(
-                f"layer {weights.index}: the fused experts do not compile on {settings.device} with "
+                f"layer {i}: the fused experts do not compile on {settings.device} with "
                 f"expert_compute={settings.expert_compute} ({str(exc).strip().splitlines()[-1]}); "
                 "f16 arithmetic is the iGPU's, use f32 or bf16 on the CPU"
             ) from exc
         self.expert_request = self.expert_model.create_infer_request()
-        post = mapped.compile_model(core, graphs.post_graph(shape, weights, scale), settings, residual_cfg)
-        self.post_request = post.create_infer_request()
+        post_model = model_of(f"layer{i}.post")
+        self.post_request = core.compile_model(post_model, settings.device, residual_cfg).create_infer_request()
 
     def run(
         self, inputs: dict[str, np.ndarray | ov.Tensor], hist_m: np.ndarray | None, conv_index: np.ndarray
@@ -163,6 +170,45 @@ class _Layer:
             post.update({"conv_hist_m": hist_m, "conv_index": conv_index})
         out.update(_infer(self.post_request, post))
         return out
+
+
+def graph_builder(source: StageReader | HeldStage, settings: EngineSettings, name: str) -> Callable[[], ov.Model]:
+    """How to build the stage graph `name` (one of `graph_store.stage_graph_names`) from `source`'s weights.
+
+    A reader keeps the layer it read last, so a layer's three graphs (split experts) read it once.
+    """
+    shape = source.shape
+    if name == "embed":
+
+        def embed() -> ov.Model:
+            weights, norm, _, _ = source.ends()
+            return graphs.embed_graph(weights, norm, shape.rms_norm_eps, settings.head_weights)
+
+        return embed
+    if name == "head":
+
+        def head() -> ov.Model:
+            _, _, final_norm, weights = source.ends()
+            return graphs.head_graph(shape, final_norm, weights, settings.head_weights, compute=settings.head_compute)
+
+        return head
+    layer, _, part = name.removeprefix("layer").partition(".")
+    i = int(layer)
+    if part == "":
+        return lambda: _layer_graph(shape, source.layer(i), settings, settings.expert_weights)
+    if part == "attention":
+        return lambda: _layer_graph(shape, source.layer(i), settings, None)
+    if part == "experts":
+
+        def experts() -> ov.Model:
+            weights = source.layer(i)
+            scale = _power_of_two_scale(weights)
+            return graphs.expert_graph(shape, weights, settings.expert_weights, scale, settings.ffn_form)
+
+        return experts
+    if part == "post":
+        return lambda: graphs.post_graph(shape, source.layer(i), _power_of_two_scale(source.layer(i)))
+    raise ValueError(f"no stage graph named '{name}'")
 
 
 def _layer_graph(shape, weights: LayerWeights, settings: EngineSettings, expert_fmt) -> ov.Model:
@@ -265,29 +311,39 @@ class StageEngine:
 
     def __init__(
         self,
-        weights: StageWeights,
+        weights: StageWeights | StageReader,
         settings: EngineSettings,
         progress: Progress | None = None,
         reload: Callable[[], StageWeights] | None = None,
+        graph_store: GraphStore | None = None,
     ) -> None:
-        """`reload` reads the same weights again (e.g. `functools.partial(load_stage, path, start, end)`)
-        for models compiled only when first needed; without it the engine keeps `weights` for them."""
-        self.shape = weights.shape
+        """`weights` held in memory, or a `StageReader` that reads each layer when its graph is built
+        (so that a stage is never all in memory before it is compiled). `reload` reads held weights
+        again (e.g. `functools.partial(load_stage, path, start, end)`) for models compiled only when
+        first needed; without it the engine keeps `weights` for them (a reader reads them again).
+        `graph_store` gives an Inkling stage's graphs by name (`graph_store.stage_graph_names`): by
+        default built from the weights; a converted stage's are read from its files instead."""
+        source = HeldStage(weights) if isinstance(weights, StageWeights) else weights
+        self.shape = source.shape
         self.settings = settings
-        self.start_layer, self.end_layer = weights.start_layer, weights.end_layer
-        # a stage embeds when it holds the embedding and runs the head when it holds the head, so a
-        # one-layer engine without either serves as a middle stage (the MTP head's depths are)
-        self.is_first = weights.embed is not None
-        self.is_last = weights.head is not None
+        self.start_layer, self.end_layer = source.start_layer, source.end_layer
+        layer_indices = range(self.start_layer, self.end_layer)
+        self.is_first = source.is_first
+        self.is_last = source.is_last
         core = ov.Core()
         cpu_kernels.add_to(core, settings)
+        store: GraphStore = graph_store if graph_store is not None else BuiltGraphs(core, settings)
+        if graph_store is not None and self.shape.family == "llama":
+            raise UnsupportedSettings(
+                "converted stages hold Inkling layers; Llama-family stages are built from weights"
+            )
         # a paged Llama stage's graph starts from the token ids itself: one call per step, not two
         paged_llama = self.shape.family == "llama" and not settings.split_expert_graph and settings.paged_attention
         self._embeds_in_stage = self.is_first and paged_llama
         # Inkling's layers run as one compiled model unless the experts run apart (`joined_layers`)
         self._joined = settings.joined_layers and self.shape.family != "llama" and not settings.split_expert_graph
         total = (
-            len(weights.layers)
+            len(layer_indices)
             + int(self.is_first and not self._embeds_in_stage)
             + int(self.is_last)
             + int(self._joined)
@@ -303,10 +359,9 @@ class StageEngine:
         self._embed = self._head = None
         residual_cfg = compile_config(settings, settings.residual_compute)
         if self.is_first and not self._embeds_in_stage:
-            model = graphs.embed_graph(
-                weights.embed, weights.embed_norm, self.shape.rms_norm_eps, settings.head_weights
-            )
-            self._embed = mapped.compile_model(core, model, settings, residual_cfg).create_infer_request()
+            model = store.model("embed", graph_builder(source, settings, "embed"))
+            self._embed = core.compile_model(model, settings.device, residual_cfg).create_infer_request()
+            del model
             tick("embedding")
         self._layers: list[_Layer] = []
         self._stage_model = self._stage_request = None
@@ -323,11 +378,12 @@ class StageEngine:
         self._far_stacks: dict[str, FarStack] = {}
         # models compiled later (a trace's per-layer outputs, the head alone) are built from the weights
         # read again when `reload` says how, so that once compiled the engine holds no copy of them
-        again: Callable[[], StageWeights] = reload if reload is not None else (lambda: weights)
+        again: Callable[[], StageWeights] = reload if reload is not None else source.weights
         # the closures kept for later compiles read these, not `self`: an engine holding a closure over
         # itself sits in a reference cycle and keeps its compiled models until a garbage collection
         shape, is_last, embeds_in_stage = self.shape, self.is_last, self._embeds_in_stage
         if self.shape.family == "llama" and not settings.split_expert_graph:
+            weights = source.weights()
             # small dense layers: one compiled model for the whole range, so a step is one call
             if settings.paged_attention:
 
@@ -378,13 +434,10 @@ class StageEngine:
             # Inkling's layers in one model: each layer's graph is written out (mapping its weights) as
             # soon as it is built, so the stage's weights are never all in the heap at once
             graphs_of_layers = []
-            for layer in weights.layers:
-                self._layers.append(_Layer(self.shape, layer.index))
-                model = _layer_graph(self.shape, layer, settings, settings.expert_weights)
-                if settings.map_weights:
-                    model = mapped.mapped_copy(core, model, settings.device) or model
-                graphs_of_layers.append(model)
-                tick(f"layer {layer.index}")
+            for i in layer_indices:
+                self._layers.append(_Layer(self.shape, i))
+                graphs_of_layers.append(store.model(f"layer{i}", graph_builder(source, settings, f"layer{i}")))
+                tick(f"layer {i}")
             windows = [layer.attention.window for layer in self._layers]
             self._stage_model = core.compile_model(
                 stage_graph.join_layers(graphs_of_layers, windows), settings.device, residual_cfg
@@ -393,11 +446,11 @@ class StageEngine:
             self._stage_request = self._stage_model.create_infer_request()
             tick("layers joined")
         else:
-            for layer in weights.layers:
-                compiled = _Layer(self.shape, layer.index)
-                compiled.compile(core, self.shape, layer, settings)
+            for i in layer_indices:
+                compiled = _Layer(self.shape, i)
+                compiled.compile(core, source, settings, store)
                 self._layers.append(compiled)
-                tick(f"layer {layer.index}")
+                tick(f"layer {i}")
         if self.is_last:
 
             def head_model(w: StageWeights) -> ov.CompiledModel:
@@ -408,8 +461,11 @@ class StageEngine:
 
             self._compile_head = lambda: head_model(again())
             if self._pool is None:  # a paged stage's graph has the head; this one serves `head_logits`
-                self._head = head_model(weights).create_infer_request()
+                model = store.model("head", graph_builder(source, settings, "head"))
+                self._head = core.compile_model(model, settings.device, residual_cfg).create_infer_request()
+                del model
             tick("head")
+        source.release()
         self._windows = tuple(layer.attention.window for layer in self._layers)
         # cached keys nearer than this may carry a relative bias on global layers; farther ones are read
         # in place from the cache's blocks with no per-row tables. Llama has no bias: every cached key is far.

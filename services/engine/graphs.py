@@ -27,10 +27,11 @@ from cascadia.engine.weights import Quantized, Weight, WeightFormat, quantize, w
 from cascadia.model.checkpoint import ExpertWeights, LayerWeights
 from cascadia.model.config import ModelShape
 from cascadia.model.formats import (
-    as_float,
+    expert_range,
     expert_slice,
     join_input_columns,
     join_output_rows,
+    scaled_by_power_of_two,
     stack_output_rows,
 )
 
@@ -564,6 +565,18 @@ def _all_active(
     return _as_f32(linear(to_compute(mixed, compute), down, fmt, f"{name}.down", compute), compute)
 
 
+def _joinable(down: Weight) -> bool:
+    """Whether a bank's down projections can run joined as one matmul: f32, or stored so that each
+    row has one scale across the slices (`cascadia.model.checkpoint` stores int8 so for that form)."""
+    if isinstance(down, np.ndarray):
+        return True
+    try:
+        join_input_columns(down)
+    except ValueError:
+        return False
+    return True
+
+
 def _expert_block(
     shape: ModelShape,
     layer: LayerWeights,
@@ -586,19 +599,19 @@ def _expert_block(
     i, h = layer.index, shape.hidden_size
     bank = layer.experts
     if out_scale != 1.0:
-        bank = replace(bank, down=as_float(bank.down) * np.float32(out_scale))
+        bank = replace(bank, down=scaled_by_power_of_two(bank.down, out_scale))
     if layer.router is None and ffn.dense == "matmul":
         mixed = _all_active(x, bank, None, fmt, f"l{i}", ffn.compute)
         if layer.dense_scale != 1.0:
             mixed = ops.multiply(mixed, _f32(layer.dense_scale))
-    elif layer.router is not None and ffn.dense == "matmul" and isinstance(bank.gate, np.ndarray):
+    elif layer.router is not None and ffn.dense == "matmul" and _joinable(bank.down):
         # the shared experts every row runs: plain matmuls beside the routed bank
         e, top_k = shape.n_routed_experts, shape.num_experts_per_tok
         routed_index = ops.slice(index, _i64(0), _i64(top_k), _i64(1), _i64(1))
         routed_weight = ops.slice(weight, _i64(0), _i64(top_k), _i64(1), _i64(1))
         shared_weight = ops.slice(weight, _i64(top_k), _i64(2**62), _i64(1), _i64(1))
-        routed_bank = ExpertWeights(bank.gate[:e], bank.up[:e], bank.down[:e])
-        shared_bank = ExpertWeights(bank.gate[e:], bank.up[e:], bank.down[e:])
+        routed_bank = ExpertWeights(*(expert_range(w, 0, e) for w in (bank.gate, bank.up, bank.down)))
+        shared_bank = ExpertWeights(*(expert_range(w, e, None) for w in (bank.gate, bank.up, bank.down)))
         routed = _expert_bank(x, routed_index, routed_weight, routed_bank, fmt, ffn, i, h)
         shared = _all_active(x, shared_bank, shared_weight, fmt, f"l{i}.shared", ffn.compute)
         mixed = ops.add(routed, shared)

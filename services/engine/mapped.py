@@ -13,6 +13,7 @@ stay in memory and the process says so once.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -77,6 +78,27 @@ def _flush(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+RT_INFO_SUFFIX = ".rtinfo.json"
+
+
+def save_ir(core: ov.Core, model: ov.Model, path: Path, device: str) -> None:
+    """Write `model` as IR at `path` (.xml, .bin, and the run-time info the serialiser drops), flushed."""
+    core.get_versions(device)
+    ov.save_model(model, path, compress_to_fp16=False)
+    _flush(path.with_suffix(".bin"))
+    path.with_suffix(RT_INFO_SUFFIX).write_text(json.dumps(_rt_info(model)))
+
+
+def read_ir(core: ov.Core, path: Path, device: str) -> ov.Model:
+    """An IR written by `save_ir`, its constants mapping the weight file."""
+    core.get_versions(device)  # the IR reader knows a plugin's own ops once the core has loaded it
+    model = core.read_model(path)
+    info = path.with_suffix(RT_INFO_SUFFIX)
+    if info.is_file():
+        _restore_rt_info(model, json.loads(info.read_text()))
+    return model
 
 
 def mapped_copy(core: ov.Core, model: ov.Model, device: str) -> ov.Model | None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from cascadia.engine.weights import WEIGHT_FORMATS, WeightFormat
+from cascadia.model.checkpoint import StoredForms
 
 Compute = Literal["f32", "bf16", "f16"]
 KvPrecision = Literal["f32", "f16", "u8"]
@@ -194,6 +195,13 @@ class EngineSettings:
     def ffn_form(self) -> FfnForm:
         compute = "bf16" if self.typed_experts else "f32"
         return FfnForm(self.dense_ffn_path, self.expert_kernel_path, self.compressed_kernel_path, compute)
+
+    @property
+    def stored_forms(self) -> StoredForms:
+        """The formats the graphs hold weights in, so that a reader quantises them as it reads."""
+        return StoredForms(
+            self.expert_weights, self.attention_weights, self.head_weights, self.dense_ffn_path == "matmul"
+        )
 
     @property
     def paged_attention(self) -> bool:

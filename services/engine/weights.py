@@ -37,14 +37,17 @@ __all__ = [
 ]
 
 
-def _nibble_constant(values: np.ndarray, kind: ov.Type) -> ov.Node:
-    """A 4-bit constant (i4 or u4), two values a byte, the first in the low nibble."""
-    tensor = ov.Tensor(kind, ov.Shape(list(values.shape)))
-    nibbles = (values.astype(np.uint8) & 0xF).reshape(-1)
-    if nibbles.size % 2:
-        nibbles = np.concatenate([nibbles, np.zeros(1, np.uint8)])
-    packed = (nibbles[0::2] | (nibbles[1::2] << 4)).astype(np.uint8)
-    tensor.data[:] = packed.view(tensor.data.dtype).reshape(tensor.data.shape)
+def _nibble_constant(values: np.ndarray, kind: ov.Type, packed: bool = False) -> ov.Node:
+    """A 4-bit constant (i4 or u4), two values a byte, the first in the low nibble; `values` one per
+    element, or already packed (`packed`: [..., m] bytes for [..., 2m] values)."""
+    shape = [*values.shape[:-1], values.shape[-1] * 2] if packed else list(values.shape)
+    tensor = ov.Tensor(kind, ov.Shape(shape))
+    if not packed:
+        nibbles = (values.astype(np.uint8) & 0xF).reshape(-1)
+        if nibbles.size % 2:
+            nibbles = np.concatenate([nibbles, np.zeros(1, np.uint8)])
+        values = (nibbles[0::2] | (nibbles[1::2] << 4)).astype(np.uint8)
+    tensor.data[:] = np.ascontiguousarray(values).view(tensor.data.dtype).reshape(tensor.data.shape)
     return ops.constant(tensor)
 
 
@@ -62,10 +65,10 @@ def stored_node(q: Quantized, name: str) -> ov.Node:
         values = ops.convert(ops.constant(q.values, name=name), "f32")
         return ops.multiply(values, ops.constant(q.scale))
     if q.fmt == "int4":
-        values = ops.convert(_nibble_constant(q.values, ov.Type.i4), "f16")
+        values = ops.convert(_nibble_constant(q.values, ov.Type.i4, q.packed), "f16")
     elif q.fmt == "u4":
         zero = ops.convert(_nibble_constant(q.zero_point, ov.Type.u4), "f16")
-        values = ops.subtract(ops.convert(_nibble_constant(q.values, ov.Type.u4), "f16"), zero)
+        values = ops.subtract(ops.convert(_nibble_constant(q.values, ov.Type.u4, q.packed), "f16"), zero)
     else:
         zero = ops.convert(ops.constant(np.ascontiguousarray(q.zero_point, dtype=np.uint8)), "f16")
         values = ops.subtract(ops.convert(ops.constant(np.ascontiguousarray(q.values, dtype=np.uint8)), "f16"), zero)

@@ -40,26 +40,52 @@ class Quantized:
     values: np.ndarray
     scale: np.ndarray | None  # int8: [..., N, 1] f32; int4, u4, u8: [..., N, K/32, 1] f16
     zero_point: np.ndarray | None = None  # u4, u8: like the scale, unsigned
+    # 4-bit values two to a byte ([..., N, K/32, 16] uint8, the first value in the low nibble), as
+    # the graph's constants hold them, instead of one int8 per value
+    packed: bool = False
 
     @property
     def nbytes(self) -> int:
         bits = {"f32": 32, "f16": 16, "int8": 8, "int4": 4, "u4": 4, "u8": 8}[self.fmt]
         scale_bytes = 0 if self.scale is None else self.scale.nbytes
         zero_bytes = 0 if self.zero_point is None else self.zero_point.size * bits // 8
-        return self.values.size * bits // 8 + scale_bytes + zero_bytes
+        value_bytes = self.values.nbytes if self.packed else self.values.size * bits // 8
+        return value_bytes + scale_bytes + zero_bytes
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The logical [..., N, K] shape of the weight."""
         if self.fmt in ("int4", "u4", "u8"):
-            return (*self.values.shape[:-2], self.values.shape[-2] * self.values.shape[-1])
+            per_group = self.values.shape[-1] * (2 if self.packed else 1)
+            return (*self.values.shape[:-2], self.values.shape[-2] * per_group)
         return tuple(self.values.shape)
 
     def map_blocks(self, fn) -> Quantized:
         """Apply an index operation on the leading axes (all but the last) to values, scales and zero points."""
         scale = None if self.scale is None else fn(self.scale)
         zero = None if self.zero_point is None else fn(self.zero_point)
-        return Quantized(self.fmt, fn(self.values), scale, zero)
+        return Quantized(self.fmt, fn(self.values), scale, zero, self.packed)
+
+    def unpacked_values(self) -> np.ndarray:
+        """The stored values one per element (4-bit ones as int8 for int4, uint8 for u4)."""
+        if not self.packed:
+            return self.values
+        return unpack_nibbles(self.values, signed=self.fmt == "int4")
+
+
+def pack_nibbles(values: np.ndarray) -> np.ndarray:
+    """4-bit values [..., 2m] (signed or not) -> [..., m] uint8, the first of each pair in the low nibble."""
+    nibbles = values.astype(np.uint8) & 0xF
+    return (nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).astype(np.uint8)
+
+
+def unpack_nibbles(packed: np.ndarray, signed: bool) -> np.ndarray:
+    """Undo `pack_nibbles`: [..., m] uint8 -> [..., 2m], int8 in -8..7 when `signed`, else uint8 in 0..15."""
+    low, high = packed & 0xF, packed >> 4
+    both = np.stack([low, high], axis=-1).reshape(*packed.shape[:-1], -1)
+    if not signed:
+        return both
+    return (both.astype(np.int8) ^ 8) - 8
 
 
 def quantize(weight: np.ndarray, fmt: WeightFormat) -> Quantized:
@@ -87,6 +113,8 @@ def quantize(weight: np.ndarray, fmt: WeightFormat) -> Quantized:
 
 def dequantize(q: Quantized) -> np.ndarray:
     """The f32 values the graph computes with."""
+    if q.packed:
+        q = Quantized(q.fmt, q.unpacked_values(), q.scale, q.zero_point)
     if q.fmt == "f32":
         return q.values
     if q.fmt == "f16":
@@ -155,7 +183,10 @@ def stack_output_rows(weights: list[Weight]) -> Weight | None:
         if len({(w.dtype, w.shape[1:]) for w in weights}) != 1:  # type: ignore[union-attr]
             return None
         return np.concatenate(weights, axis=0)  # type: ignore[arg-type]
-    if not all(isinstance(w, Quantized) and w.fmt == first.fmt and w.values.ndim == first.values.ndim for w in weights):
+    if not all(
+        isinstance(w, Quantized) and (w.fmt, w.packed, w.values.ndim) == (first.fmt, first.packed, first.values.ndim)
+        for w in weights
+    ):
         return None
     quantized: list[Quantized] = weights  # type: ignore[assignment]
     if len({w.values.shape[1:] for w in quantized}) != 1:
@@ -169,19 +200,51 @@ def stack_output_rows(weights: list[Weight]) -> Weight | None:
         np.concatenate([w.values for w in quantized], axis=0),
         stacked([w.scale for w in quantized]),
         stacked([w.zero_point for w in quantized]),
+        first.packed,
     )
 
 
 def join_input_columns(weight: Weight) -> Weight:
-    """[slices, N, K/slices] -> [N, K]: undo `split_input_columns`."""
+    """[slices, N, K/slices] -> [N, K]: undo `split_input_columns`.
+
+    int8 slices join only when each row has one scale across them (else a ValueError)."""
 
     def join(a: np.ndarray) -> np.ndarray:
         moved = np.ascontiguousarray(np.moveaxis(a, 0, 1))  # [N, slices, ...]
-        if isinstance(weight, np.ndarray):
+        if isinstance(weight, np.ndarray) or weight.fmt in ("f32", "f16", "int8"):
             return moved.reshape(moved.shape[0], -1)
         return moved.reshape(moved.shape[0], -1, moved.shape[-1])
 
-    return join(weight) if isinstance(weight, np.ndarray) else weight.map_blocks(join)
+    if isinstance(weight, np.ndarray):
+        return join(weight)
+    if weight.fmt in ("f32", "f16"):
+        return Quantized(weight.fmt, join(weight.values), None)
+    if weight.fmt == "int8":
+        scale = weight.scale
+        if scale is None or not np.array_equal(scale, np.broadcast_to(scale[:1], scale.shape)):
+            raise ValueError("int8 slices with scales of their own cannot run as one joined projection")
+        return Quantized("int8", join(weight.values), scale[0])
+    return weight.map_blocks(join)
+
+
+def expert_range(weight: Weight, start: int, stop: int | None) -> Weight:
+    """[E, N, K] -> experts [start, stop) of the bank, stored as the bank is."""
+    if isinstance(weight, np.ndarray):
+        return weight[start:stop]
+    return weight.map_blocks(lambda a: a[start:stop])
+
+
+def scaled_by_power_of_two(weight: Weight, factor: float) -> Weight:
+    """`weight` times a power of two, stored as it is (a quantised weight's scales carry the factor,
+    which is exact for them as it is for the values the graph would otherwise quantise)."""
+    if isinstance(weight, np.ndarray):
+        return as_float(weight) * np.float32(factor)
+    if weight.fmt in ("f32", "f16"):
+        return Quantized(weight.fmt, (weight.values * weight.values.dtype.type(factor)), None)
+    assert weight.scale is not None
+    return Quantized(
+        weight.fmt, weight.values, weight.scale * weight.scale.dtype.type(factor), weight.zero_point, weight.packed
+    )
 
 
 def as_float(weight: Weight) -> np.ndarray:
