@@ -200,7 +200,7 @@ def load_engine(
     from cascadia.engine import converted
     from cascadia.engine.engine import StageEngine
     from cascadia.engine.memory import release_unused_memory
-    from cascadia.model.checkpoint import StageReader
+    from cascadia.model.checkpoint import CheckpointError, StageReader
     from cascadia.model.loader import is_gguf, load_shape, load_stage
 
     shape = load_shape(model_dir)
@@ -215,13 +215,20 @@ def load_engine(
             log_progress(f"stage {start}:{end}: {what} ({done}/{total})")
 
         if converted.is_converted(model_dir):
-            store = converted.open_converted(model_dir, settings, start, end, precision)
+            try:
+                store = converted.open_converted(model_dir, settings, start, end, precision)
+            except converted.ConvertedStageError as exc:
+                raise fail(str(exc)) from None
             bar.update(task, description="mapping and compiling", total=total)
             layers = converted.ConvertedLayers(shape, start, end)
             engine = StageEngine(layers, settings, progress=tick, graph_store=store)
         elif shape.family == "inkling" and not is_gguf(model_dir):
             bar.update(task, description="reading and compiling", total=total)
-            engine = StageEngine(StageReader(model_dir, start, end, settings.stored_forms), settings, progress=tick)
+            try:
+                reader = StageReader(model_dir, start, end, settings.stored_forms)
+            except CheckpointError as exc:
+                raise fail(str(exc)) from None
+            engine = StageEngine(reader, settings, progress=tick)
         else:
             weights = load_stage(model_dir, start, end)
             bar.update(task, description="compiling", total=total)
@@ -292,7 +299,7 @@ def generate(
     if mtp_depths > (shape.mtp_depths if shape.family == "inkling" else 0):
         raise fail(f"--mtp-depths {mtp_depths}: the model's MTP head has {shape.mtp_depths} depths")
     if shards == 1 and speculation == "off":
-        result = run(load_engine(model_dir, settings), ids, params)
+        result = run(load_engine(model_dir, settings, precision=precision), ids, params)
     else:
         from cascadia.router.local import local_ranges
 
@@ -452,7 +459,7 @@ def shard(
         settings = preset(precision, device=device, planned_streams=streams, **overrides)
         if mtp_depths and reply_to is None:
             raise fail("--mtp-depths is for the last stage (the one with --reply-to)")
-        engine = load_engine(model_dir, settings, start, end)
+        engine = load_engine(model_dir, settings, start, end, precision)
         drafter = _mtp_drafter(model_dir, settings, mtp_depths, mtp_vocab) if mtp_depths else None
     except (ConfigError, CheckpointError, ValueError) as exc:
         raise fail(str(exc)) from None
@@ -1175,6 +1182,51 @@ def bench_engine(
     )
     summary = run_engine_bench(config, err)
     sys.stdout.write(json.dumps(summary, indent=2) + "\n")
+
+
+@app.command()
+def convert(
+    model: Annotated[str, typer.Option(help=MODEL_HELP)],
+    out: Annotated[Path, typer.Option(help="Directory to write the converted stage to.")],
+    precision: PrecisionOption = "int4",
+    layers: Annotated[str | None, typer.Option(help="Layer range A:B to convert (default: the whole model).")] = None,
+    device: Annotated[str, typer.Option(help="OpenVINO device the stage will run on: CPU, or GPU on the fleet.")] = (
+        "CPU"
+    ),
+    kv_precision: KvPrecisionOption = "f32",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON line: bytes, seconds, peak memory.")] = False,
+) -> None:
+    """Write the deployment form of a stage (or the whole model) once: its graphs as OpenVINO IR with the
+    weights already quantised. The output serves as --model for the layers it holds."""
+    from dataclasses import asdict
+
+    from cascadia.engine import converted
+    from cascadia.engine.settings import preset
+    from cascadia.model.checkpoint import CheckpointError
+    from cascadia.model.config import ConfigError
+    from cascadia.model.loader import is_gguf, load_shape
+
+    check_precision(precision)
+    check_kv_precision(kv_precision)
+    model_dir = resolve_model(model)
+    if converted.is_converted(model_dir):
+        raise fail(f"--model {model}: already a converted stage; convert the checkpoint it came from")
+    try:
+        shape = load_shape(model_dir)
+    except (ConfigError, CheckpointError) as exc:
+        raise fail(str(exc)) from None
+    if shape.family != "inkling" or is_gguf(model_dir):
+        raise fail(f"--model {model}: convert writes Inkling checkpoints; Llama-family models load from their files")
+    start, end = parse_layers(layers) if layers else (0, shape.num_layers)
+    if not 0 <= start < end <= shape.num_layers:
+        raise fail(f"--layers {start}:{end} is not inside the model's 0:{shape.num_layers}")
+    try:
+        settings = preset(precision, device=device, kv_precision=kv_precision)
+        result = converted.convert(model_dir, out, settings, precision, start, end, progress=log_line)
+    except (ValueError, OSError) as exc:
+        raise fail(str(exc)) from None
+    if as_json:
+        sys.stdout.write(json.dumps(asdict(result)) + "\n")
 
 
 @app.command()
