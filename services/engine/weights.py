@@ -40,15 +40,22 @@ __all__ = [
 def _nibble_constant(values: np.ndarray, kind: ov.Type, packed: bool = False) -> ov.Node:
     """A 4-bit constant (i4 or u4), two values a byte, the first in the low nibble; `values` one per
     element, or already packed (`packed`: [..., m] bytes for [..., 2m] values)."""
-    shape = [*values.shape[:-1], values.shape[-1] * 2] if packed else list(values.shape)
-    tensor = ov.Tensor(kind, ov.Shape(shape))
-    if not packed:
-        nibbles = (values.astype(np.uint8) & 0xF).reshape(-1)
-        if nibbles.size % 2:
-            nibbles = np.concatenate([nibbles, np.zeros(1, np.uint8)])
-        values = (nibbles[0::2] | (nibbles[1::2] << 4)).astype(np.uint8)
-    tensor.data[:] = np.ascontiguousarray(values).view(tensor.data.dtype).reshape(tensor.data.shape)
+    if packed:
+        # the constant views the packed bytes (no copy): a bank of the real model is gigabytes
+        shape = [*values.shape[:-1], values.shape[-1] * 2]
+        return ops.constant(ov.Tensor(np.ascontiguousarray(values, dtype=np.uint8), ov.Shape(shape), kind))
+    tensor = ov.Tensor(kind, ov.Shape(list(values.shape)))
+    nibbles = (values.astype(np.uint8) & 0xF).reshape(-1)
+    if nibbles.size % 2:
+        nibbles = np.concatenate([nibbles, np.zeros(1, np.uint8)])
+    packed_bytes = (nibbles[0::2] | (nibbles[1::2] << 4)).astype(np.uint8)
+    tensor.data[:] = packed_bytes.view(tensor.data.dtype).reshape(tensor.data.shape)
     return ops.constant(tensor)
+
+
+def _shared_constant(values: np.ndarray, name: str | None = None) -> ov.Node:
+    """A constant viewing `values` (kept alive by the constant) rather than a copy of them."""
+    return ops.constant(np.ascontiguousarray(values), shared_memory=True, name=name)
 
 
 def weight_node(weight: Weight, fmt: WeightFormat, name: str) -> ov.Node:
@@ -58,11 +65,11 @@ def weight_node(weight: Weight, fmt: WeightFormat, name: str) -> ov.Node:
 
 def stored_node(q: Quantized, name: str) -> ov.Node:
     if q.fmt == "f32":
-        return ops.constant(q.values, name=name)
+        return _shared_constant(q.values, name)
     if q.fmt == "f16":
-        return ops.convert(ops.constant(q.values, name=name), "f32")
+        return ops.convert(_shared_constant(q.values, name), "f32")
     if q.fmt == "int8":
-        values = ops.convert(ops.constant(q.values, name=name), "f32")
+        values = ops.convert(_shared_constant(q.values, name), "f32")
         return ops.multiply(values, ops.constant(q.scale))
     if q.fmt == "int4":
         values = ops.convert(_nibble_constant(q.values, ov.Type.i4, q.packed), "f16")

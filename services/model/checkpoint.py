@@ -214,18 +214,24 @@ class TensorSource:
     def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """The whole tensor in f32, exactly as the checkpoint defines it."""
         raw, dtype = self._raw(name, shape)
-        return self._decode(name, raw, dtype, None)
+        values = self._decode(name, raw, dtype, None)
+        self._files[self._where[name]].drop(raw)
+        return values
 
     def get_one(self, name: str, shape: tuple[int, ...], entry: int) -> np.ndarray:
         """Entry `entry` along the first axis of a tensor of `shape` (one expert of a bank) in f32."""
         raw, dtype = self._raw(name, shape)
-        return self._decode(name, raw[entry], dtype, entry)
+        values = self._decode(name, raw[entry], dtype, entry)
+        self._files[self._where[name]].drop(raw[entry])
+        return values
 
     def get_block(self, name: str, shape: tuple[int, int], rows: slice, cols: slice = slice(None)) -> np.ndarray:
         """Rows and columns of a 2-D tensor in f32 (a dense projection's slice, or a chunk of rows)."""
         raw, dtype = self._raw(name, shape)
         part = raw[rows, cols]
         values = to_f32(part, dtype)
+        if cols == slice(None):
+            self._files[self._where[name]].drop(part)
         if dtype != FP8_DTYPE:
             return values
         scale_name = self._scale_of(name)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,12 +93,28 @@ class TensorFile:
             if item is not None and info.end - info.start != item * math.prod(info.shape):
                 raise TensorFileError(f"{self.path}: tensor '{name}' has {info.end - info.start} bytes for its shape")
             self.tensors[name] = info
-        self._map: np.ndarray | None = None
+        self._map: mmap.mmap | None = None
+        self._bytes: np.ndarray | None = None
 
     def _mapped(self) -> np.ndarray:
-        if self._map is None:
-            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
-        return self._map
+        if self._bytes is None:
+            with open(self.path, "rb") as handle:
+                self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+            self._bytes = np.frombuffer(self._map, dtype=np.uint8)
+        return self._bytes
+
+    def drop(self, view: np.ndarray) -> None:
+        """Let the process's resident set forget the pages under `view` (a part of `raw`), once decoded:
+        they stay in the page cache, but a bank read expert by expert no longer keeps every page it read
+        mapped in the process until the file is closed."""
+        if self._map is None or self._bytes is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = view.__array_interface__["data"][0] - self._bytes.__array_interface__["data"][0]
+        end = start + view.nbytes if view.flags.c_contiguous else self._bytes.size
+        first = start - start % mmap.PAGESIZE
+        last = min(self._bytes.size, end + (-end % mmap.PAGESIZE))
+        if 0 <= first < last:
+            self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
 
     def raw(self, name: str) -> np.ndarray:
         """The tensor's stored values, viewing the mapped file (no copy): bf16 as uint16, FP8 as uint8."""
@@ -112,7 +129,8 @@ class TensorFile:
         return data.view(view).reshape(info.shape)
 
     def close(self) -> None:
-        self._map = None
+        self._bytes = None
+        self._map = None  # closed when the last view of it goes
 
 
 def to_f32(raw: np.ndarray, dtype: str) -> np.ndarray:
