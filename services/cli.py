@@ -1247,9 +1247,14 @@ def plan(
     context: Annotated[int, typer.Option(min=1, help="Global-layer positions per stream.")] = 1024,
     kv_precision: KvPrecisionOption = "f32",
     node_bandwidth: Annotated[float, typer.Option(help="Memory read bandwidth per node, GB/s.")] = 100.0,
+    device: Annotated[
+        str, typer.Option(help="Device the shards run on: CPU (its plugin copies plain matmuls' weights) or GPU.")
+    ] = "CPU",
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """Place layers on nodes; print memory per node and the bandwidth-floor throughput."""
+    """Place layers on nodes; print memory per node and the bandwidth-floor throughput.
+
+    For a converted stage (`cascadia convert`) the weight formats are those it was converted to."""
     from cascadia.engine.weights import WEIGHT_FORMATS
     from cascadia.model.config import ConfigError
     from cascadia.model.loader import load_shape
@@ -1265,6 +1270,13 @@ def plan(
     ):
         if value not in WEIGHT_FORMATS:
             raise fail(f"{flag} '{value}' is not one of {', '.join(WEIGHT_FORMATS)}")
+    if model is not None:
+        from cascadia.engine import converted
+
+        if converted.is_converted(model):
+            held = converted.read_manifest(model)["settings"]
+            expert_weights, attention_weights = held["expert_weights"], held["attention_weights"]
+            head_weights, device = held["head_weights"], held["device"]
     try:
         shape = preset_shape(preset_name) if preset_name else load_shape(model)
         request = PlanRequest(
@@ -1278,6 +1290,7 @@ def plan(
             streams_per_step=streams_per_step,
             context=context,
             kv_precision=kv_precision,
+            device=device,
         )
         fleet = plan_fleet(shape, request)
     except (PlanError, ConfigError) as exc:
@@ -1296,6 +1309,8 @@ def plan(
                     "weightBytes": s.weight_bytes,
                     "kvBytes": s.kv_bytes,
                     "farStackBytes": s.far_stack_bytes,
+                    "pluginCopyBytes": s.plugin_copy_bytes,
+                    "overheadBytes": s.overhead_bytes,
                     "totalBytes": s.total_bytes,
                 }
                 for s in fleet.stages
@@ -1307,13 +1322,14 @@ def plan(
     from rich.table import Table
 
     table = Table(title=fleet.note)
-    for col in ("node", "layers", "weights GiB", "KV GiB", "total GiB"):
+    for col in ("node", "layers", "weights GiB", "plugin copies GiB", "KV GiB", "total GiB"):
         table.add_column(col)
     for s in fleet.stages:
         table.add_row(
             s.node,
             f"{s.start_layer}:{s.end_layer}",
             f"{s.weight_bytes / 2**30:.2f}",
+            f"{s.plugin_copy_bytes / 2**30:.2f}",
             f"{s.state_bytes / 2**30:.2f}",
             f"{s.total_bytes / 2**30:.2f}",
         )

@@ -94,6 +94,9 @@ class PlanRequest:
     rewind_slack: int = 32
     runtime_overhead: int = 2 * GIB  # OpenVINO runtime, activations, buffers per node
     kv_precision: str = "f32"  # keys and values as cached: f32, f16 or u8
+    # the device the shards run on: the CPU plugin keeps a repacked copy of every plain matmul's
+    # weights (`layer_matmul_bytes`) beside the mapped ones; the iGPU plugin's copy replaces them
+    device: str = "CPU"
 
     @classmethod
     def from_settings(cls, nodes: tuple[str, ...], node_memory: int, settings: EngineSettings, **kw) -> PlanRequest:
@@ -119,6 +122,7 @@ class StagePlan:
     kv_bytes: int
     overhead_bytes: int
     far_stack_bytes: int = 0
+    plugin_copy_bytes: int = 0  # the device plugin's own copy of weights it repacks
 
     @property
     def state_bytes(self) -> int:
@@ -127,7 +131,7 @@ class StagePlan:
 
     @property
     def total_bytes(self) -> int:
-        return self.weight_bytes + self.state_bytes + self.overhead_bytes
+        return self.weight_bytes + self.plugin_copy_bytes + self.state_bytes + self.overhead_bytes
 
 
 @dataclass(frozen=True)
@@ -166,6 +170,33 @@ def layer_weight_bytes(shape: ModelShape, layer: int, request: PlanRequest) -> i
         experts = shape.n_routed_experts + shape.n_shared_experts
         total += 3 * experts * stored_bytes((shape.moe_intermediate_size, h), request.expert_weights)
         total += 4 * (experts * h + shape.n_routed_experts)  # f32 router
+    return total
+
+
+def layer_matmul_bytes(shape: ModelShape, layer: int, request: PlanRequest) -> int:
+    """Bytes of a layer's weights that run as plain matmuls, which the CPU plugin repacks into a copy
+    of its own at the first steps (measured: the anonymous memory a stage grows by): the attention
+    projections, the f32 router, a dense FFN and the shared experts. Routed expert banks run in
+    the MoE kernels, which read the mapped weights in place."""
+    a = shape.layer_attention(layer)
+    h = shape.hidden_size
+    total = sum(
+        stored_bytes(s, request.attention_weights)
+        for s in ((a.q_width, h), (a.kv_width, h), (a.kv_width, h), (a.num_heads * shape.d_rel, h), (h, a.q_width))
+    )
+    if shape.is_dense(layer):
+        return total + 3 * stored_bytes((shape.intermediate_size, h), request.expert_weights)
+    total += 4 * (shape.n_routed_experts + shape.n_shared_experts) * h
+    return total + 3 * shape.n_shared_experts * stored_bytes((shape.moe_intermediate_size, h), request.expert_weights)
+
+
+def stage_plugin_copy_bytes(shape: ModelShape, start: int, end: int, request: PlanRequest) -> int:
+    """What the device plugin holds beside the stage's mapped weights (see `PlanRequest.device`)."""
+    if not request.device.upper().startswith("CPU"):
+        return 0
+    total = sum(layer_matmul_bytes(shape, i, request) for i in range(start, end))
+    if end == shape.num_layers:
+        total += stored_bytes((shape.unpadded_vocab_size, shape.hidden_size), request.head_weights)
     return total
 
 
@@ -226,7 +257,8 @@ def _stage(shape: ModelShape, request: PlanRequest, node: str, start: int, end: 
     weights += head if end == shape.num_layers else 0
     kv = sum(layer_kv_bytes(shape, i, request) for i in range(start, end))
     stacks = stage_far_stack_bytes(shape, start, end, request)
-    return StagePlan(node, start, end, weights, kv, request.runtime_overhead, stacks)
+    copies = stage_plugin_copy_bytes(shape, start, end, request)
+    return StagePlan(node, start, end, weights, kv, request.runtime_overhead, stacks, copies)
 
 
 def _check_fits(stages: list[StagePlan], memory: int) -> None:
@@ -236,7 +268,8 @@ def _check_fits(stages: list[StagePlan], memory: int) -> None:
         raise PlanError(
             f"{len(over)} node(s) exceed their {memory / GIB:.1f} GiB: {worst.node} needs "
             f"{worst.total_bytes / GIB:.1f} GiB for layers {worst.start_layer}:{worst.end_layer} "
-            f"({worst.weight_bytes / GIB:.1f} GiB weights, {worst.state_bytes / GIB:.1f} GiB KV, "
+            f"({worst.weight_bytes / GIB:.1f} GiB weights, {worst.plugin_copy_bytes / GIB:.1f} GiB plugin copies, "
+            f"{worst.state_bytes / GIB:.1f} GiB KV, "
             f"{worst.overhead_bytes / GIB:.1f} GiB runtime)"
         )
 
