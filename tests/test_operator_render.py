@@ -116,6 +116,37 @@ def test_eleven_nodes_get_six_layers_each_pinned_with_a_device_and_a_chained_nex
         assert child["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
 
 
+def test_each_node_converts_its_stage_before_its_shard_starts_within_the_planned_memory():
+    spec = example_spec()
+    spec["model"]["nodeCachePath"] = "/srv/cascadia"
+    plan, children = rendered(spec)
+    shards = [c for c in children if c["kind"] == "StatefulSet" and "shard" in c["metadata"]["name"]]
+    assert len(shards) == len(plan.stages)
+    for sts, placed in zip(sorted(shards, key=lambda c: int(c["metadata"]["name"].split("-")[-1])), plan.stages, strict=True):
+        pod = sts["spec"]["template"]["spec"]
+        (init,) = pod["initContainers"]
+        shard = pod["containers"][0]
+        layers = f"{placed.start_layer}:{placed.end_layer}"
+        args = init["args"]
+        assert args[0] == "convert" and args[args.index("--layers") + 1] == layers
+        assert args[args.index("--model") + 1] == "/models/inkling"
+        assert args[args.index("--precision") + 1] == shard["args"][shard["args"].index("--precision") + 1]
+        assert args[args.index("--device") + 1] == "GPU"
+        # the shard serves what the conversion wrote, on the node's own disk
+        converted = args[args.index("--out") + 1]
+        assert shard["args"][shard["args"].index("--model") + 1] == converted
+        cache = next(v for v in pod["volumes"] if v["name"] == "node-cache")["hostPath"]
+        assert cache == {"path": "/srv/cascadia", "type": "DirectoryOrCreate"}
+        mount = next(m for m in init["volumeMounts"] if m["name"] == "node-cache")["mountPath"]
+        assert converted.startswith(mount + "/") and layers.replace(":", "-") in converted
+        assert {"name": "CASCADIA_COMPILE_CACHE_DIR", "value": f"{mount}/compile-cache"} in shard["env"]
+        # requested and enforced at the plan's total, the conversion inside the same bound
+        for container in (init, shard):
+            memory = container["resources"]
+            assert memory["requests"]["memory"] == memory["limits"]["memory"] == str(placed.total_bytes)
+    assert with_defaults(example_spec())["model"]["nodeCachePath"] == "/var/lib/cascadia"
+
+
 def test_the_spec_s_amx_choice_reaches_every_shard():
     spec = example_spec()
     spec.update(device="CPU", cpuAmx="on")

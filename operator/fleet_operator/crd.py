@@ -83,6 +83,15 @@ SPEC = _object(
                 "persistentVolumeClaim": _string(
                     "Mount this PVC at path instead of the node's directory.", pattern=DNS_LABEL, maxLength=253
                 ),
+                "nodeCachePath": _string(
+                    "A directory on each node's disk where an init container converts the node's stage once "
+                    "(cascadia convert: weights quantised and laid out as the shard runs them, reused while the "
+                    "checkpoint, precision and layers are unchanged) and the iGPU plugin keeps compiled kernels.",
+                    pattern=r"^/.*",
+                    minLength=2,
+                    maxLength=4096,
+                    default="/var/lib/cascadia",
+                ),
             },
             required=["path"],
             default=False,

@@ -23,6 +23,7 @@ def fleet_plan(spec: FleetSpec, nodes: list[str], model_config: dict[str, Any] |
         streams=serving["maxStreams"],
         streams_per_step=serving["rowsPerGroup"],
         context=serving["contextBudget"],
+        device=spec.get("device"),
     )
     return plan_fleet(shape, request)
 

@@ -168,6 +168,17 @@ def weights_cache_bytes(placed: StagePlan) -> int:
     return placed.weight_bytes + WEIGHTS_CACHE_SLACK
 
 
+# where a shard pod mounts its node's cache directory (`spec.model.nodeCachePath`)
+NODE_CACHE = "/var/lib/cascadia"
+COMPILE_CACHE_VARIABLE = "CASCADIA_COMPILE_CACHE_DIR"
+
+
+def converted_stage_path(fleet: Fleet, placed: StagePlan) -> str:
+    """Where a node's converted stage lives in the pod: named by fleet and layer range, so a re-plan that
+    moves layers converts anew instead of finding another range."""
+    return f"{NODE_CACHE}/converted/{fleet.namespace}-{fleet.name}-{placed.start_layer}-{placed.end_layer}"
+
+
 def shard_statefulset(fleet: Fleet, plan: FleetPlan, stage: int) -> dict[str, Any]:
     spec = fleet.spec
     placed = plan.stages[stage]
@@ -178,33 +189,53 @@ def shard_statefulset(fleet: Fleet, plan: FleetPlan, stage: int) -> dict[str, An
         else ["--next", shard_address(fleet, stage + 1)]
     )
     model_path = spec.get("model", "path")
+    converted = converted_stage_path(fleet, placed)
+    layers = f"{placed.start_layer}:{placed.end_layer}"
+    convert_args = [
+        "convert", "--model", model_path, "--out", converted, "--layers", layers,
+        "--precision", spec.get("precision", "mode"), "--device", spec.get("device"),
+    ]  # fmt: skip
     args = [
-        "shard", "--model", model_path, "--layers", f"{placed.start_layer}:{placed.end_layer}",
+        "shard", "--model", converted, "--layers", layers,
         "--listen", f"0.0.0.0:{SHARD_PORT}", "--stage", str(stage), "--precision", spec.get("precision", "mode"),
         "--device", spec.get("device"), "--context", str(spec.get("serving", "contextBudget")),
         "--streams", str(spec.get("serving", "maxStreams")), *hop,
     ]  # fmt: skip
     device = spec.get("nodes", "deviceResource")
-    memory = placed.total_bytes
+    # the plan's total is what the shard holds: requested and enforced, as a memory cgroup enforces it
+    memory = str(placed.total_bytes)
     scratch = str(weights_cache_bytes(placed))
+    mounts = [
+        {"name": "model", "mountPath": model_path, "readOnly": True},
+        {"name": "node-cache", "mountPath": NODE_CACHE},
+    ]
+    # the conversion runs within the shard's own memory: it peaks below what the stage then holds
+    conversion = _container(
+        "convert", spec.get("images", "shard"), convert_args, spec,
+        resources=_resources(spec, "shard", requests={"memory": memory}, limits={"memory": memory}),
+        volumeMounts=mounts,
+    )  # fmt: skip
     container = _container(
         "shard", spec.get("images", "shard"), args, spec,
         ports=[{"name": "grpc", "containerPort": SHARD_PORT, "protocol": "TCP"}],
         readinessProbe=_probe(SHARD_PORT),
         resources=_resources(
-            spec, "shard", requests={"memory": str(memory), "ephemeral-storage": scratch, device: 1}, limits={device: 1}
+            spec, "shard", requests={"memory": memory, "ephemeral-storage": scratch, device: 1},
+            limits={"memory": memory, device: 1},
         ),
-        volumeMounts=[
-            {"name": "model", "mountPath": model_path, "readOnly": True},
-            {"name": "weights-cache", "mountPath": WEIGHTS_CACHE},
-        ],
+        volumeMounts=[*mounts, {"name": "weights-cache", "mountPath": WEIGHTS_CACHE}],
         env=[{"name": "CASCADIA_STAGE", "value": str(stage)}, {"name": "CASCADIA_ROLE", "value": "last" if last else (
             "first" if stage == 0 else "middle")}, {"name": "CASCADIA_CACHE_DIR", "value": WEIGHTS_CACHE},
+            {"name": COMPILE_CACHE_VARIABLE, "value": f"{NODE_CACHE}/compile-cache"},
             {"name": AMX_VARIABLE, "value": spec.get("cpuAmx")}],
     )  # fmt: skip
     name = shard_name(fleet, stage)
     stage_labels = {STAGE_LABEL: str(stage)}
-    volumes = [_model_volume(spec), {"name": "weights-cache", "emptyDir": {"sizeLimit": scratch}}]
+    node_cache = {
+        "name": "node-cache",
+        "hostPath": {"path": spec.get("model", "nodeCachePath"), "type": "DirectoryOrCreate"},
+    }
+    volumes = [_model_volume(spec), node_cache, {"name": "weights-cache", "emptyDir": {"sizeLimit": scratch}}]
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -214,11 +245,17 @@ def shard_statefulset(fleet: Fleet, plan: FleetPlan, stage: int) -> dict[str, An
             "serviceName": name,
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector(fleet, "shard", **stage_labels)},
-            "template": _workload_pod(
-                fleet, "shard", [container], volumes, _node_affinity([placed.node]), **stage_labels
+            "template": _with_init(
+                _workload_pod(fleet, "shard", [container], volumes, _node_affinity([placed.node]), **stage_labels),
+                [conversion],
             ),
         },
     }
+
+
+def _with_init(pod: dict[str, Any], init: list[dict[str, Any]]) -> dict[str, Any]:
+    pod["spec"]["initContainers"] = init
+    return pod
 
 
 def _tcp(ports: list[dict]) -> list[dict]:

@@ -332,6 +332,7 @@ class StageEngine:
         self.is_last = source.is_last
         core = ov.Core()
         cpu_kernels.add_to(core, settings)
+        mapped.use_compile_cache(core, settings.device)
         store: GraphStore = graph_store if graph_store is not None else BuiltGraphs(core, settings)
         if graph_store is not None and self.shape.family == "llama":
             raise UnsupportedSettings(
