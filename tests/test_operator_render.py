@@ -122,7 +122,8 @@ def test_each_node_converts_its_stage_before_its_shard_starts_within_the_planned
     plan, children = rendered(spec)
     shards = [c for c in children if c["kind"] == "StatefulSet" and "shard" in c["metadata"]["name"]]
     assert len(shards) == len(plan.stages)
-    for sts, placed in zip(sorted(shards, key=lambda c: int(c["metadata"]["name"].split("-")[-1])), plan.stages, strict=True):
+    in_order = sorted(shards, key=lambda c: int(c["metadata"]["name"].split("-")[-1]))
+    for sts, placed in zip(in_order, plan.stages, strict=True):
         pod = sts["spec"]["template"]["spec"]
         (init,) = pod["initContainers"]
         shard = pod["containers"][0]
