@@ -200,6 +200,7 @@ def load_engine(
     from cascadia.engine import converted
     from cascadia.engine.engine import StageEngine
     from cascadia.engine.memory import release_unused_memory
+    from cascadia.engine.weights import packed_store
     from cascadia.model.checkpoint import CheckpointError, StageReader
     from cascadia.model.loader import is_gguf, load_shape, load_stage
 
@@ -225,7 +226,7 @@ def load_engine(
         elif shape.family == "inkling" and not is_gguf(model_dir):
             bar.update(task, description="reading and compiling", total=total)
             try:
-                reader = StageReader(model_dir, start, end, settings.stored_forms)
+                reader = StageReader(model_dir, start, end, settings.stored_forms, packed_store)
             except CheckpointError as exc:
                 raise fail(str(exc)) from None
             engine = StageEngine(reader, settings, progress=tick)
@@ -1340,6 +1341,38 @@ def plan(
     for c, v in floor.items():
         floor_table.add_row(str(c), f"{v:.1f}")
     Console().print(floor_table)
+
+
+@bench_app.command("stage")
+def bench_stage(
+    out: Annotated[Path, typer.Option(help="Directory for stage.json, stage.png and the files it writes.")] = Path(
+        "bench-out/stage"
+    ),
+    model: Annotated[Path | None, typer.Option(help="A real-width checkpoint (default: write one).")] = None,
+    layers: Annotated[int, typer.Option(min=1, help="Layers of the checkpoint written when no --model.")] = 2,
+    experts: Annotated[int, typer.Option(min=1, help="Routed experts of the checkpoint written.")] = 8,
+    vocab: Annotated[int, typer.Option(min=512, help="Vocabulary rows of the checkpoint written.")] = 4096,
+    stage_layers: Annotated[str | None, typer.Option("--stage", help="The stage's layers A:B (default: all).")] = None,
+    precisions: Annotated[str, typer.Option(help="Comma-separated precisions.")] = "int4,int8",
+    rows: Annotated[str, typer.Option(help="Comma-separated rows a decode step.")] = "1,8,32",
+    steps: Annotated[int, typer.Option(min=4)] = 16,
+) -> None:
+    """A stage at the 975B model's real width: conversion, start-up, memory against the plan (in a memory
+    cgroup where one can be made), and decode steps against the bandwidth floor (JSON + PNG)."""
+    from cascadia.bench.stage import StageBenchConfig, run_stage_bench
+
+    for precision in precisions.split(","):
+        check_precision(precision)
+    start, end = parse_layers(stage_layers) if stage_layers else (0, None)
+    try:
+        row_counts = tuple(int(r) for r in rows.split(","))
+    except ValueError:
+        raise fail(f"--rows '{rows}': expected integers separated by commas") from None
+    config = StageBenchConfig(
+        out, model, layers, experts, vocab, start, end, tuple(precisions.split(",")), row_counts, steps
+    )
+    summary = run_stage_bench(config, log_line)
+    sys.stdout.write(json.dumps({p: r["within_bound"] for p, r in summary["precisions"].items()}) + "\n")
 
 
 @bench_app.command("fleet")

@@ -41,9 +41,14 @@ def _nibble_constant(values: np.ndarray, kind: ov.Type, packed: bool = False) ->
     """A 4-bit constant (i4 or u4), two values a byte, the first in the low nibble; `values` one per
     element, or already packed (`packed`: [..., m] bytes for [..., 2m] values)."""
     if packed:
-        # the constant views the packed bytes (no copy): a bank of the real model is gigabytes
         shape = [*values.shape[:-1], values.shape[-1] * 2]
-        return ops.constant(ov.Tensor(np.ascontiguousarray(values, dtype=np.uint8), ov.Shape(shape), kind))
+        owner = _owning_tensor(values)
+        if owner is not None and owner.get_element_type() == kind and list(owner.shape) == shape:
+            # bytes the reader wrote into this tensor (`packed_store`): the constant shares them
+            return ops.constant(owner)
+        tensor = ov.Tensor(kind, ov.Shape(shape))
+        tensor.data[:] = np.ascontiguousarray(values, dtype=np.uint8).view(tensor.data.dtype).reshape(tensor.data.shape)
+        return ops.constant(tensor)
     tensor = ov.Tensor(kind, ov.Shape(list(values.shape)))
     nibbles = (values.astype(np.uint8) & 0xF).reshape(-1)
     if nibbles.size % 2:
@@ -51,6 +56,26 @@ def _nibble_constant(values: np.ndarray, kind: ov.Type, packed: bool = False) ->
     packed_bytes = (nibbles[0::2] | (nibbles[1::2] << 4)).astype(np.uint8)
     tensor.data[:] = packed_bytes.view(tensor.data.dtype).reshape(tensor.data.shape)
     return ops.constant(tensor)
+
+
+def packed_store(shape: tuple[int, ...]) -> np.ndarray:
+    """Memory for packed int4 values [..., 2m values as m bytes], owned by an OpenVINO tensor of the
+    values' shape: a constant made from it later shares it. (A constant made from a tensor that views
+    numpy memory does not keep that memory alive, and one copied would double a bank while it is built.)"""
+    tensor = ov.Tensor(ov.Type.i4, ov.Shape([*shape[:-1], shape[-1] * 2]))
+    return tensor.data.view(np.uint8).reshape(shape)
+
+
+def _owning_tensor(values: np.ndarray) -> ov.Tensor | None:
+    """The OpenVINO tensor whose whole memory `values` is, if it is one (see `packed_store`)."""
+    base = values
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    if not isinstance(base, ov.Tensor) or not values.flags.c_contiguous or values.nbytes != base.byte_size:
+        return None
+    if values.__array_interface__["data"][0] != base.data.__array_interface__["data"][0]:
+        return None
+    return base
 
 
 def _shared_constant(values: np.ndarray, name: str | None = None) -> ov.Node:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -264,6 +264,10 @@ class TensorSource:
             )
         return hasher.hexdigest()
 
+    def nbytes(self, name: str) -> int:
+        info = self._info(name)
+        return info.end - info.start
+
     def shape_of(self, name: str) -> tuple[int, ...]:
         return tuple(self._info(name).shape)
 
@@ -307,10 +311,17 @@ F32_FORMS = StoredForms()
 ROW_CHUNK = 4096  # rows of an embedding or head read at a time
 
 
-class _Store:
-    """A weight of [entries, N, K] (or [N, K] with entries None) filled entry by entry in `fmt`."""
+PackedAllocator = Callable[[tuple[int, ...]], np.ndarray]
 
-    def __init__(self, fmt: WeightFormat, entries: int | None, n: int, k: int) -> None:
+
+class _Store:
+    """A weight of [entries, N, K] (or [N, K] with entries None) filled entry by entry in `fmt`.
+
+    `allocate` gives the memory of packed int4 values (so that the graph's constant can share it)."""
+
+    def __init__(
+        self, fmt: WeightFormat, entries: int | None, n: int, k: int, allocate: PackedAllocator | None = None
+    ) -> None:
         self.fmt = fmt
         lead = () if entries is None else (entries,)
         self.scale: np.ndarray | None = None
@@ -324,7 +335,8 @@ class _Store:
         else:
             if k % INT4_GROUP:
                 raise CheckpointError(f"int4 needs an input dimension divisible by {INT4_GROUP}, got {k}")
-            self.values = np.empty((*lead, n, k // INT4_GROUP, INT4_GROUP // 2), np.uint8)
+            packed_shape = (*lead, n, k // INT4_GROUP, INT4_GROUP // 2)
+            self.values = allocate(packed_shape) if allocate else np.empty(packed_shape, np.uint8)
             self.scale = np.empty((*lead, n, k // INT4_GROUP, 1), np.float16)
 
     def put(self, where: int | slice | tuple, weight: np.ndarray) -> None:
@@ -342,11 +354,13 @@ class _Store:
         return Quantized(self.fmt, self.values, self.scale, packed=self.fmt == "int4")
 
 
-def _stored_whole(source: TensorSource, name: str, shape: tuple[int, int], fmt: WeightFormat) -> Weight:
+def _stored_whole(
+    source: TensorSource, name: str, shape: tuple[int, int], fmt: WeightFormat, allocate: PackedAllocator | None = None
+) -> Weight:
     """A 2-D weight read in chunks of rows and stored in `fmt` (rows quantise independently)."""
     if fmt == "f32":
         return source.get(name, shape)
-    store = _Store(fmt, None, *shape)
+    store = _Store(fmt, None, *shape, allocate)
     for start in range(0, shape[0], ROW_CHUNK):
         rows = slice(start, min(start + ROW_CHUNK, shape[0]))
         store.put(rows, source.get_block(name, shape, rows))
@@ -354,12 +368,18 @@ def _stored_whole(source: TensorSource, name: str, shape: tuple[int, int], fmt: 
 
 
 def _dense_bank(
-    source: TensorSource, names: tuple[str, ...], published: bool, width: int, h: int, forms: StoredForms
+    source: TensorSource,
+    names: tuple[str, ...],
+    published: bool,
+    width: int,
+    h: int,
+    forms: StoredForms,
+    allocate: PackedAllocator | None = None,
 ) -> ExpertWeights:
     """A dense MLP as DENSE_SLICES all-active expert slices, read slice by slice."""
     piece = width // DENSE_SLICES
     fmt = forms.experts
-    gate, up, down = (_Store(fmt, DENSE_SLICES, *dims) for dims in ((piece, h), (piece, h), (h, piece)))
+    gate, up, down = (_Store(fmt, DENSE_SLICES, *dims, allocate) for dims in ((piece, h), (piece, h), (h, piece)))
     for j in range(DENSE_SLICES):
         rows = slice(j * piece, (j + 1) * piece)
         if published:
@@ -386,11 +406,18 @@ def _dense_bank(
     return ExpertWeights(gate.result(), up.result(), down.result())
 
 
-def _moe_bank(source: TensorSource, m: str, shape: ModelShape, published: bool, forms: StoredForms) -> ExpertWeights:
+def _moe_bank(
+    source: TensorSource,
+    m: str,
+    shape: ModelShape,
+    published: bool,
+    forms: StoredForms,
+    allocate: PackedAllocator | None = None,
+) -> ExpertWeights:
     """Routed experts then shared ones, read one expert at a time."""
     e, s, w, h = shape.n_routed_experts, shape.n_shared_experts, shape.moe_intermediate_size, shape.hidden_size
     fmt = forms.experts
-    gate, up, down = (_Store(fmt, e + s, *dims) for dims in ((w, h), (w, h), (h, w)))
+    gate, up, down = (_Store(fmt, e + s, *dims, allocate) for dims in ((w, h), (w, h), (h, w)))
     if published:
         gate_up_name, down_name = m + "experts.w13_weight", m + "experts.w2_weight"
     else:
@@ -425,7 +452,12 @@ def _moe_bank(source: TensorSource, m: str, shape: ModelShape, published: bool, 
 
 
 def _read_layer(
-    source: TensorSource, shape: ModelShape, i: int, prefix: str | None = None, forms: StoredForms = F32_FORMS
+    source: TensorSource,
+    shape: ModelShape,
+    i: int,
+    prefix: str | None = None,
+    forms: StoredForms = F32_FORMS,
+    allocate: PackedAllocator | None = None,
 ) -> LayerWeights:
     h = shape.hidden_size
     k = shape.conv_kernel_size
@@ -436,7 +468,7 @@ def _read_layer(
 
     def proj(short: str, long: str, rows: int, cols: int) -> Weight:
         name = attn + (f"{short}.weight" if published else f"{long}.weight")
-        return _stored_whole(source, name, (rows, cols), forms.attention)
+        return _stored_whole(source, name, (rows, cols), forms.attention, allocate)
 
     attention = AttentionWeights(
         input_norm=source.get(p + ("attn_norm.weight" if published else "input_layernorm.weight"), (h,)),
@@ -464,11 +496,11 @@ def _read_layer(
             if published
             else (m + "gate_proj.weight", m + "up_proj.weight", m + "down_proj.weight")
         )
-        experts = _dense_bank(source, names, published, width, h, forms)
+        experts = _dense_bank(source, names, published, width, h, forms, allocate)
         return LayerWeights(i, attention, post_norm, mlp_conv, experts, None, source.scalar(m + "global_scale"))
 
     e, s = shape.n_routed_experts, shape.n_shared_experts
-    experts = _moe_bank(source, m, shape, published, forms)
+    experts = _moe_bank(source, m, shape, published, forms, allocate)
     router = RouterWeights(
         weight=source.get(m + "gate.weight", (e + s, h)),
         correction_bias=source.get(m + ("gate.bias" if published else "gate.e_score_correction_bias"), (e,)),
@@ -525,7 +557,12 @@ def load_mtp(model_dir: Path, depths: int | None = None) -> MtpWeights:
 
 
 def load_stage_tensors(
-    source: TensorSource, shape: ModelShape, first: bool, last: bool, forms: StoredForms = F32_FORMS
+    source: TensorSource,
+    shape: ModelShape,
+    first: bool,
+    last: bool,
+    forms: StoredForms = F32_FORMS,
+    allocate: PackedAllocator | None = None,
 ) -> tuple[Weight | None, np.ndarray | None, np.ndarray | None, Weight | None]:
     """(embedding, embedding norm) when `first`, (final norm, head) when `last`; the embedding and the
     head stored in the head's format, read in chunks of rows."""
@@ -534,7 +571,7 @@ def load_stage_tensors(
     embed = embed_norm = final_norm = head = None
     if first:
         embed_name = "model.llm.embed.weight" if published else "model.embed_tokens.weight"
-        embed = _stored_whole(source, embed_name, (v, h), forms.head)
+        embed = _stored_whole(source, embed_name, (v, h), forms.head, allocate)
         embed_norm = source.get(
             "model.llm.embed_norm.weight" if published else "model.embed_tokens.embed_norm.weight", (h,)
         )
@@ -547,7 +584,7 @@ def load_stage_tensors(
             held = source.shape_of(head_name)
             if held == (shape.unpadded_vocab_size, h):
                 rows = shape.unpadded_vocab_size
-        head = _stored_whole(source, head_name, (rows, h), forms.head)
+        head = _stored_whole(source, head_name, (rows, h), forms.head, allocate)
     return embed, embed_norm, final_norm, head
 
 
@@ -558,8 +595,17 @@ class StageReader:
     formats when the engine builds its graph, and dropped once the graph holds it.
     """
 
-    def __init__(self, model_dir: Path, start_layer: int, end_layer: int, forms: StoredForms = F32_FORMS) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        start_layer: int,
+        end_layer: int,
+        forms: StoredForms = F32_FORMS,
+        allocate: PackedAllocator | None = None,
+    ) -> None:
+        """`allocate` gives the memory packed int4 weights are read into (see `_Store`)."""
         self.model_dir = Path(model_dir)
+        self._allocate = allocate
         self.shape = load_shape(model_dir)
         if not 0 <= start_layer < end_layer <= self.shape.num_layers:
             raise CheckpointError(
@@ -577,7 +623,7 @@ class StageReader:
         self._last = None
         source = TensorSource(self.model_dir)
         try:
-            self._last = _read_layer(source, self.shape, i, forms=self.forms)
+            self._last = _read_layer(source, self.shape, i, forms=self.forms, allocate=self._allocate)
         finally:
             source.close()
         return self._last
@@ -589,7 +635,7 @@ class StageReader:
         """(embedding, embedding norm, final norm, head), each None where the stage does not hold it."""
         source = TensorSource(self.model_dir)
         try:
-            return load_stage_tensors(source, self.shape, self.is_first, self.is_last, self.forms)
+            return load_stage_tensors(source, self.shape, self.is_first, self.is_last, self.forms, self._allocate)
         finally:
             source.close()
 
