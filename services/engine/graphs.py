@@ -613,7 +613,11 @@ def _expert_block(
         bank = replace(bank, down=scaled_by_power_of_two(bank.down, out_scale))
     if layer.router is None and ffn.dense == "matmul":
         mixed = _all_active(x, bank, None, fmt, f"l{i}", ffn.compute, layer.dense_scale)
-    elif layer.router is not None and ffn.dense == "matmul" and _joinable(bank.down):
+    elif (
+        layer.router is not None
+        and ffn.dense == "matmul"
+        and _joinable(expert_range(bank.down, shape.n_routed_experts, None))
+    ):
         # the shared experts every row runs: plain matmuls beside the routed bank
         e, top_k = shape.n_routed_experts, shape.num_experts_per_tok
         routed_index = ops.slice(index, _i64(0), _i64(top_k), _i64(1), _i64(1))
