@@ -226,7 +226,7 @@ def load_engine(
         elif shape.family == "inkling" and not is_gguf(model_dir):
             bar.update(task, description="reading and compiling", total=total)
             try:
-                reader = StageReader(model_dir, start, end, settings.stored_forms, packed_store)
+                reader = StageReader(model_dir, start, end, settings.stored_forms, packed_store, log_progress)
             except CheckpointError as exc:
                 raise fail(str(exc)) from None
             engine = StageEngine(reader, settings, progress=tick)

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import gc
 import json
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -36,18 +38,35 @@ GIB = 2**30
 
 
 @pytest.fixture(scope="module")
-def real_width(tmp_path_factory) -> Path:
-    return write_real_width(tmp_path_factory.mktemp("real-width") / "bf16", LAYERS, EXPERTS, VOCAB, "bf16")
+def big_files(tmp_path_factory) -> Iterator[Path]:
+    """A directory for this module's checkpoints, removed when the module ends: each is gigabytes, and
+    pytest keeps the temporary directories of the last runs."""
+    root = tmp_path_factory.mktemp("real-width")
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def scratch(big_files, request) -> Iterator[Path]:
+    path = big_files / request.node.name.replace("[", "-").replace("]", "")
+    path.mkdir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
-def oracle(real_width, tmp_path_factory) -> dict:
+def real_width(big_files) -> Path:
+    return write_real_width(big_files / "bf16", LAYERS, EXPERTS, VOCAB, "bf16")
+
+
+@pytest.fixture(scope="module")
+def oracle(real_width, big_files) -> dict:
     """transformers in f32 on the bf16 checkpoint: layer outputs, logits, greedy ids, and the checkpoint
     it writes back in f32 (its own conversion of the bf16 values), then the model is dropped."""
     model = load_oracle(real_width)
     layers, logits = layer_outputs(model, IDS)
     ids = greedy(model, IDS, 6)
-    twin = tmp_path_factory.mktemp("real-width") / "f32-twin"
+    twin = big_files / "f32-twin"
     model.save_pretrained(str(twin))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (twin / name).write_bytes((real_width / name).read_bytes())
@@ -79,8 +98,8 @@ def test_the_same_weights_in_bf16_and_in_f32_give_identical_outputs(real_width, 
     assert np.array_equal(from_bf16, from_f32)
 
 
-def test_the_published_layout_of_the_same_model_gives_identical_outputs(real_width, tmp_path):
-    published = write_real_width(tmp_path / "published", LAYERS, EXPERTS, VOCAB, "bf16", layout="published")
+def test_the_published_layout_of_the_same_model_gives_identical_outputs(real_width, scratch):
+    published = write_real_width(scratch / "published", LAYERS, EXPERTS, VOCAB, "bf16", layout="published")
     assert TensorSource(published).has("model.llm.layers.1.mlp.experts.w13_weight")
     _, ours = run_prompt(_engine(real_width, "int8"), IDS)
     gc.collect()
@@ -128,12 +147,12 @@ def _torch_dequantised(fp8_dir: Path, out: Path) -> Path:
     return out
 
 
-def test_an_fp8_checkpoint_matches_its_dequantised_oracle(tmp_path):
-    fp8 = write_real_width(tmp_path / "fp8", LAYERS, EXPERTS, VOCAB, "fp8")
+def test_an_fp8_checkpoint_matches_its_dequantised_oracle(scratch):
+    fp8 = write_real_width(scratch / "fp8", LAYERS, EXPERTS, VOCAB, "fp8")
     source = TensorSource(fp8)
     assert source.dtype("model.layers.1.mlp.experts.gate_up_proj") == "F8_E4M3"
     assert source.has("model.layers.1.mlp.experts.gate_up_proj_scale_inv")
-    model = load_oracle(_torch_dequantised(fp8, tmp_path / "dequantised"))
+    model = load_oracle(_torch_dequantised(fp8, scratch / "dequantised"))
     ref_layers, ref_logits = layer_outputs(model, IDS)
     del model
     gc.collect()
@@ -148,8 +167,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("precision", ["int4", "int8"])
-def test_a_converted_stage_serves_what_the_checkpoint_serves_and_its_conversion_fits(real_width, tmp_path, precision):
-    out = tmp_path / "converted"
+def test_a_converted_stage_serves_what_the_checkpoint_serves_and_its_conversion_fits(real_width, scratch, precision):
+    out = scratch / "converted"
     argv = [sys.executable, "-m", "cascadia.cli", "convert", "--model", str(real_width), "--out", str(out)]
     measured = run_measured([*argv, "--precision", precision, "--json"])
     assert measured.returncode == 0, measured.stderr
@@ -167,7 +186,7 @@ def test_a_converted_stage_serves_what_the_checkpoint_serves_and_its_conversion_
     assert json.loads(again.stdout)["up_to_date"] and json.loads(again.stdout)["bytes_written"] == 0
 
 
-def test_a_shard_at_real_width_holds_what_the_plan_says_inside_a_memory_cgroup_of_the_plan(real_width, tmp_path):
+def test_a_shard_at_real_width_holds_what_the_plan_says_inside_a_memory_cgroup_of_the_plan(real_width):
     """Loaded from the checkpoint (each layer read and quantised as its graph is built), the stage peaks
     within 1.5 GiB above what it then holds; after 16 decode steps of 8 streams it holds at most 1.10 x
     the plan + 512 MiB of anonymous memory, and serves inside a cgroup whose limit is the plan's total."""

@@ -105,8 +105,11 @@ class Measured:
         return self.cgroup.get("oom_kills", 0) > 0
 
 
-def run_measured(argv: list[str], limit: int | None = None, timeout: float = 3600, sample_s: float = 0.02) -> Measured:
-    """Run `argv`, sampling its memory until it exits; inside a fresh memory cgroup of `limit` bytes if given."""
+def run_measured(argv: list[str], limit: int | None = None, timeout: float = 3600, sample_s: float = 0.1) -> Measured:
+    """Run `argv`, sampling its memory until it exits; inside a fresh memory cgroup of `limit` bytes if given.
+
+    Reading smaps_rollup walks every mapping of the process: at a stage's tens of gigabytes of mappings a
+    sample costs milliseconds, so they are a tenth of a second apart."""
     group = MemoryCgroup(limit) if limit is not None else None
     peak = {"anon": 0, "rss": 0}
     began = time.monotonic()

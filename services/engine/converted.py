@@ -134,7 +134,7 @@ def convert(
     if is_converted(out) and read_manifest(out).get("digest") == digest:
         say(f"{out} already holds layers {start}:{end} at {precision} from these inputs: nothing to do")
         return ConvertResult(str(out), start, end, precision, settings.device, 0, 0.0, _peak_rss(), True)
-    reader = StageReader(model_dir, start, end, settings.stored_forms, packed_store)
+    reader = StageReader(model_dir, start, end, settings.stored_forms, packed_store, say)
     names = stage_graph_names(start, end, reader.is_first, reader.is_last, settings)
     out.parent.mkdir(parents=True, exist_ok=True)
     for leftover in out.parent.glob(f".{out.name}.partial-*"):

@@ -309,6 +309,7 @@ class StoredForms:
 
 F32_FORMS = StoredForms()
 ROW_CHUNK = 4096  # rows of an embedding or head read at a time
+PROGRESS_EXPERTS = 32  # a line of progress every this many experts of a bank
 
 
 PackedAllocator = Callable[[tuple[int, ...]], np.ndarray]
@@ -413,6 +414,7 @@ def _moe_bank(
     published: bool,
     forms: StoredForms,
     allocate: PackedAllocator | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> ExpertWeights:
     """Routed experts then shared ones, read one expert at a time."""
     e, s, w, h = shape.n_routed_experts, shape.n_shared_experts, shape.moe_intermediate_size, shape.hidden_size
@@ -429,6 +431,8 @@ def _moe_bank(
         up.put(j, u)
         down.put(j, source.get_one(down_name, (e, h, w), j))
         del pair, g, u
+        if progress is not None and (j + 1) % PROGRESS_EXPERTS == 0 and j + 1 < e:
+            progress(f"{m}experts: {j + 1}/{e} read")
     for j in range(s):
         if published:
             pair = source.get_one(m + "shared_experts.shared_w13_weight", (s, 2 * w, h), j)
@@ -458,6 +462,7 @@ def _read_layer(
     prefix: str | None = None,
     forms: StoredForms = F32_FORMS,
     allocate: PackedAllocator | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> LayerWeights:
     h = shape.hidden_size
     k = shape.conv_kernel_size
@@ -500,7 +505,7 @@ def _read_layer(
         return LayerWeights(i, attention, post_norm, mlp_conv, experts, None, source.scalar(m + "global_scale"))
 
     e, s = shape.n_routed_experts, shape.n_shared_experts
-    experts = _moe_bank(source, m, shape, published, forms, allocate)
+    experts = _moe_bank(source, m, shape, published, forms, allocate, progress)
     router = RouterWeights(
         weight=source.get(m + "gate.weight", (e + s, h)),
         correction_bias=source.get(m + ("gate.bias" if published else "gate.e_score_correction_bias"), (e,)),
@@ -602,10 +607,12 @@ class StageReader:
         end_layer: int,
         forms: StoredForms = F32_FORMS,
         allocate: PackedAllocator | None = None,
+        progress: Callable[[str], None] | None = None,
     ) -> None:
-        """`allocate` gives the memory packed int4 weights are read into (see `_Store`)."""
+        """`allocate` gives the memory packed int4 weights are read into (see `_Store`); `progress` is told
+        of an expert bank's reading every few experts."""
         self.model_dir = Path(model_dir)
-        self._allocate = allocate
+        self._allocate, self._progress = allocate, progress
         self.shape = load_shape(model_dir)
         if not 0 <= start_layer < end_layer <= self.shape.num_layers:
             raise CheckpointError(
@@ -623,7 +630,9 @@ class StageReader:
         self._last = None
         source = TensorSource(self.model_dir)
         try:
-            self._last = _read_layer(source, self.shape, i, forms=self.forms, allocate=self._allocate)
+            self._last = _read_layer(
+                source, self.shape, i, forms=self.forms, allocate=self._allocate, progress=self._progress
+            )
         finally:
             source.close()
         return self._last
