@@ -94,8 +94,7 @@ class PlanRequest:
     rewind_slack: int = 32
     runtime_overhead: int = 2 * GIB  # OpenVINO runtime, activations, buffers per node
     kv_precision: str = "f32"  # keys and values as cached: f32, f16 or u8
-    # the device the shards run on: the CPU plugin keeps a repacked copy of every plain matmul's
-    # weights (`layer_matmul_bytes`) beside the mapped ones; the iGPU plugin's copy replaces them
+    # the device the shards run on: its plugin's copy of the weights takes what `stage_plugin_copy_bytes` says
     device: str = "CPU"
 
     @classmethod
@@ -122,7 +121,7 @@ class StagePlan:
     kv_bytes: int
     overhead_bytes: int
     far_stack_bytes: int = 0
-    plugin_copy_bytes: int = 0  # the device plugin's own copy of weights it repacks
+    plugin_copy_bytes: int = 0  # what the device plugin's copy of the weights takes beyond their stored size
 
     @property
     def state_bytes(self) -> int:
@@ -173,31 +172,36 @@ def layer_weight_bytes(shape: ModelShape, layer: int, request: PlanRequest) -> i
     return total
 
 
-def layer_matmul_bytes(shape: ModelShape, layer: int, request: PlanRequest) -> int:
-    """Bytes of a layer's weights that run as plain matmuls, which the CPU plugin repacks into a copy
-    of its own at the first steps (measured: the anonymous memory a stage grows by): the attention
-    projections, the f32 router, a dense FFN and the shared experts. Routed expert banks run in
-    the MoE kernels, which read the mapped weights in place."""
+def _int4_params(shape: ModelShape, layer: int, request: PlanRequest) -> int:
+    """Weights of a layer stored as int4 (in groups of 32 with f16 scales)."""
     a = shape.layer_attention(layer)
     h = shape.hidden_size
-    total = sum(
-        stored_bytes(s, request.attention_weights)
-        for s in ((a.q_width, h), (a.kv_width, h), (a.kv_width, h), (a.num_heads * shape.d_rel, h), (h, a.q_width))
-    )
+    attention = a.q_width * h + 2 * a.kv_width * h + a.num_heads * shape.d_rel * h + h * a.q_width
     if shape.is_dense(layer):
-        return total + 3 * stored_bytes((shape.intermediate_size, h), request.expert_weights)
-    total += 4 * (shape.n_routed_experts + shape.n_shared_experts) * h
-    return total + 3 * shape.n_shared_experts * stored_bytes((shape.moe_intermediate_size, h), request.expert_weights)
+        experts = 3 * shape.intermediate_size * h
+    else:
+        experts = 3 * (shape.n_routed_experts + shape.n_shared_experts) * shape.moe_intermediate_size * h
+    return (attention if request.attention_weights == "int4" else 0) + (
+        experts if request.expert_weights == "int4" else 0
+    )
 
 
 def stage_plugin_copy_bytes(shape: ModelShape, start: int, end: int, request: PlanRequest) -> int:
-    """What the device plugin holds beside the stage's mapped weights (see `PlanRequest.device`)."""
+    """What the device plugin's own copy of the stage's weights takes beyond their stored size.
+
+    Both plugins copy the weights they compute with into memory of their own when they compile (the
+    CPU plugin repacks every matmul's and the MoE kernel's weights, measured as the anonymous memory a
+    stage holds; the iGPU plugin uploads them), after which the mapped weight files are not read again
+    and the kernel drops their pages under pressure: the copy takes their place rather than adding to
+    them. On the CPU the copy keeps int4 scales in f32 (two more bytes for every 32 weights); the
+    embedding, a gather, stays mapped.
+    """
     if not request.device.upper().startswith("CPU"):
         return 0
-    total = sum(layer_matmul_bytes(shape, i, request) for i in range(start, end))
-    if end == shape.num_layers:
-        total += stored_bytes((shape.unpadded_vocab_size, shape.hidden_size), request.head_weights)
-    return total
+    params = sum(_int4_params(shape, i, request) for i in range(start, end))
+    if end == shape.num_layers and request.head_weights == "int4":
+        params += shape.unpadded_vocab_size * shape.hidden_size
+    return 2 * (params // 32)
 
 
 def _position_bytes(shape: ModelShape, layer: int, request: PlanRequest) -> float:

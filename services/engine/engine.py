@@ -126,15 +126,15 @@ class _Layer:
         residual_cfg = compile_config(settings, settings.residual_compute)
         i = self.index
 
-        def model_of(name: str) -> ov.Model:
-            return store.model(name, graph_builder(source, settings, name))
-
-        model = model_of(f"layer{i}.attention" if split else f"layer{i}")
+        names = [f"layer{i}.attention", f"layer{i}.experts", f"layer{i}.post"] if split else [f"layer{i}"]
+        # every graph of the layer first, then the reader's copy of its weights goes, then the plugin's
+        model, *rest = [store.model(name, graph_builder(source, settings, name)) for name in names]
+        source.release()
         self.attention_model = core.compile_model(model, settings.device, residual_cfg)
         self.attention_request = self.attention_model.create_infer_request()
         if not split:
             return
-        experts = model_of(f"layer{i}.experts")
+        experts, post_model = rest
         try:
             self.expert_model = core.compile_model(
                 experts, settings.device, compile_config(settings, settings.expert_compute)
@@ -146,7 +146,6 @@ class _Layer:
                 "f16 arithmetic is the iGPU's, use f32 or bf16 on the CPU"
             ) from exc
         self.expert_request = self.expert_model.create_infer_request()
-        post_model = model_of(f"layer{i}.post")
         self.post_request = core.compile_model(post_model, settings.device, residual_cfg).create_infer_request()
 
     def run(
@@ -439,6 +438,9 @@ class StageEngine:
                 self._layers.append(_Layer(self.shape, i))
                 graphs_of_layers.append(store.model(f"layer{i}", graph_builder(source, settings, f"layer{i}")))
                 tick(f"layer {i}")
+            # the graphs hold the weights now (mapped, or shared): the reader's copy goes before the plugin
+            # makes its own
+            source.release()
             windows = [layer.attention.window for layer in self._layers]
             self._stage_model = core.compile_model(
                 stage_graph.join_layers(graphs_of_layers, windows), settings.device, residual_cfg

@@ -624,6 +624,10 @@ def _expert_block(
         routed_weight = ops.slice(weight, _i64(0), _i64(top_k), _i64(1), _i64(1))
         shared_weight = ops.slice(weight, _i64(top_k), _i64(2**62), _i64(1), _i64(1))
         routed_bank = ExpertWeights(*(expert_range(w, 0, e) for w in (bank.gate, bank.up, bank.down)))
+        if _bank_form(bank, fmt, ffn) == "fused":
+            # the fused kernel takes the whole bank, as its index never names a shared expert: a constant of
+            # the whole bank shares the memory its reader filled, where one of a slice would be a copy
+            routed_bank = bank
         shared_bank = ExpertWeights(*(expert_range(w, e, None) for w in (bank.gate, bank.up, bank.down)))
         routed = _expert_bank(x, routed_index, routed_weight, routed_bank, fmt, ffn, i, h)
         shared = _all_active(x, shared_bank, shared_weight, fmt, f"l{i}.shared", ffn.compute)
