@@ -117,3 +117,18 @@ def test_memory_in_use_leaves_out_the_pages_of_mapped_files(tmp_path):
         del touched
     assert grown > size // 2
     assert added < size // 8
+
+
+def test_the_igpu_keeps_compiled_kernels_in_the_node_s_compile_cache_and_the_cpu_does_not(tmp_path, monkeypatch):
+    import openvino as ov
+
+    from cascadia.engine.mapped import COMPILE_CACHE_ENV, use_compile_cache
+
+    monkeypatch.setenv(COMPILE_CACHE_ENV, str(tmp_path / "kernels"))
+    cpu = ov.Core()
+    assert use_compile_cache(cpu, "CPU") is None and cpu.get_property("CACHE_DIR") == ""
+    gpu = ov.Core()
+    assert use_compile_cache(gpu, "GPU") == tmp_path / "kernels"
+    assert gpu.get_property("CACHE_DIR") == str(tmp_path / "kernels") and (tmp_path / "kernels").is_dir()
+    monkeypatch.delenv(COMPILE_CACHE_ENV)
+    assert use_compile_cache(ov.Core(), "GPU") is None
