@@ -244,7 +244,7 @@ def plot_stage(summary: dict[str, Any], path: Path) -> None:
     memory.set_xticks([i + width for i in range(len(precisions))], precisions)
     memory.set_ylabel("GiB")
     memory.set_title("memory against the plan")
-    memory.legend()
+    memory.legend(loc="lower right")
     for p in precisions:
         decode = summary["precisions"][p]["decode"]
         rows = [int(r) for r in decode if decode[r]["fraction_of_floor"]]
