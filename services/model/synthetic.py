@@ -90,21 +90,25 @@ class SyntheticSpec:
     mtp_layers: int = 0  # depths of a multi-token-prediction head (published layout only)
 
 
+# what every synthetic checkpoint's config.json says besides its shape
+BASE_TEXT_CONFIG: dict[str, Any] = {
+    "model_type": "inkling_text",
+    "architectures": ["InklingForCausalLM"],
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "conv_kernel_size": 4,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+}
+
+
 def text_config(preset: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset '{preset}' (choose from {', '.join(PRESETS)})")
-    cfg: dict[str, Any] = {
-        "model_type": "inkling_text",
-        "architectures": ["InklingForCausalLM"],
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-        "conv_kernel_size": 4,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "pad_token_id": 0,
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
-    }
+    cfg: dict[str, Any] = dict(BASE_TEXT_CONFIG)
     cfg.update(PRESETS[preset])
     cfg.update(overrides or {})
     return cfg
@@ -324,19 +328,18 @@ def write_checkpoint(out_dir: Path, spec: SyntheticSpec, progress: Any = None) -
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(config_out, indent=2) + "\n")
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    write_tokenizer(out_dir, cfg)
+    return out_dir
+
+
+def write_tokenizer(out_dir: Path, cfg: dict[str, Any]) -> None:
+    """tokenizer.json (byte-level, one row per live vocabulary id) and tokenizer_config.json for `cfg`."""
     tokenizer = byte_level_tokenizer(cfg.get("unpadded_vocab_size") or cfg["vocab_size"])
     (out_dir / "tokenizer.json").write_text(json.dumps(tokenizer))
-    (out_dir / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": SPECIAL_TOKENS[1],
-                "eos_token": SPECIAL_TOKENS[2],
-                "pad_token": SPECIAL_TOKENS[0],
-                "model_max_length": cfg["max_position_embeddings"],
-            },
-            indent=2,
-        )
-        + "\n"
-    )
-    return out_dir
+    special = {"bos_token": SPECIAL_TOKENS[1], "eos_token": SPECIAL_TOKENS[2], "pad_token": SPECIAL_TOKENS[0]}
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special,
+        "model_max_length": cfg["max_position_embeddings"],
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")

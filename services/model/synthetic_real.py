@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from cascadia.model.config import shape_from_config
-from cascadia.model.synthetic import ATTENTION_NAMES, SPECIAL_TOKENS, byte_level_tokenizer
+from cascadia.model.synthetic import ATTENTION_NAMES, BASE_TEXT_CONFIG, write_tokenizer
 from cascadia.model.tensor_files import E4M3_VALUES, PlannedTensor, write_streamed
 
 REAL_WIDTH_PRESET = "inkling-975b"
@@ -47,15 +47,7 @@ def real_width_config(layers: int, experts: int, vocab: int) -> dict[str, Any]:
     if layers < 1 or experts < 1 or vocab < 512:
         raise ValueError(f"need at least 1 layer, 1 expert and 512 vocabulary rows (got {layers}, {experts}, {vocab})")
     cfg: dict[str, Any] = {
-        "model_type": "inkling_text",
-        "architectures": ["InklingForCausalLM"],
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-        "conv_kernel_size": 4,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "pad_token_id": 0,
-        "tie_word_embeddings": False,
+        **BASE_TEXT_CONFIG,
         "route_scale": 2.5,
         "logits_mup_width_multiplier": 16.0,
         "log_scaling_n_floor": 16,
@@ -377,18 +369,5 @@ def write_real_width(
         if "quantization_config" in text:
             config["quantization_config"] = text.pop("quantization_config")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out_dir / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer(cfg["unpadded_vocab_size"])))
-    (out_dir / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": SPECIAL_TOKENS[1],
-                "eos_token": SPECIAL_TOKENS[2],
-                "pad_token": SPECIAL_TOKENS[0],
-                "model_max_length": cfg["max_position_embeddings"],
-            },
-            indent=2,
-        )
-        + "\n"
-    )
+    write_tokenizer(out_dir, cfg)
     return out_dir
