@@ -608,7 +608,7 @@ def capture(
     import grpc
 
     from cascadia.planner import PlanError, parse_size
-    from cascadia.shard.service import pb, rpc
+    from cascadia.wire import pb, rpc
 
     if (router_addr is None) == (stages is None):
         raise fail("give exactly one of --router and --stages")
@@ -1249,8 +1249,8 @@ def plan(
     kv_precision: KvPrecisionOption = "f32",
     node_bandwidth: Annotated[float, typer.Option(help="Memory read bandwidth per node, GB/s.")] = 100.0,
     device: Annotated[
-        str, typer.Option(help="Device the shards run on: CPU (its plugin copies plain matmuls' weights) or GPU.")
-    ] = "CPU",
+        str, typer.Option(help="Device the shards run on: GPU (the fleet's iGPU) or CPU (int4 scales kept in f32).")
+    ] = "GPU",
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Place layers on nodes; print memory per node and the bandwidth-floor throughput.

@@ -94,8 +94,9 @@ class PlanRequest:
     rewind_slack: int = 32
     runtime_overhead: int = 2 * GIB  # OpenVINO runtime, activations, buffers per node
     kv_precision: str = "f32"  # keys and values as cached: f32, f16 or u8
-    # the device the shards run on: its plugin's copy of the weights takes what `stage_plugin_copy_bytes` says
-    device: str = "CPU"
+    # the device the shards run on (the fleet's iGPU unless told): its plugin's copy of the weights takes
+    # what `stage_plugin_copy_bytes` says
+    device: str = "GPU"
 
     @classmethod
     def from_settings(cls, nodes: tuple[str, ...], node_memory: int, settings: EngineSettings, **kw) -> PlanRequest:
@@ -108,7 +109,7 @@ class PlanRequest:
             context=settings.context,
             rewind_slack=settings.rewind_slack,
             kv_precision=settings.kv_precision,
-            **kw,
+            **{"device": settings.device, **kw},
         )
 
 

@@ -1,11 +1,19 @@
-"""Sampling parameters to and from their wire form (`cascadia.v1.Sampling`), one place for both ways."""
+"""What crosses the wire between roles: the gRPC modules (`pb` messages, `rpc` stubs and servicers), the
+channel options every role uses, and sampling parameters to and from their wire form
+(`cascadia.v1.Sampling`), one place for both ways.
+
+Roles import these from here, never from each other's services: the router and the gateway load no
+engine (no OpenVINO) for them.
+"""
 
 from __future__ import annotations
 
 from cascadia.engine.sampling import SamplingParams
 from cascadia.protos import load
 
-pb, _ = load()
+pb, rpc = load()
+MAX_MESSAGE = 256 * 2**20
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)]
 
 
 def sampling_message(params: SamplingParams):

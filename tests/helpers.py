@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cascadia.engine.batch import Segment
 from cascadia.engine.sampling import log_softmax
-from cascadia.shard.service import pb
+from cascadia.wire import pb
 
 
 async def router_ready(stub, attempts: int = 300) -> None:

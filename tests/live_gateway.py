@@ -28,7 +28,7 @@ from cascadia.gateway.text import TextCodec
 from cascadia.model.checkpoint import load_stage
 from cascadia.model.config import load_shape
 from cascadia.router.local import free_port
-from cascadia.shard.service import pb, rpc
+from cascadia.wire import pb, rpc
 from tests.helpers import print_logs
 
 KEYS = ("sk-test-alpha-0123456789", "sk-test-beta-9876543210")

@@ -9,7 +9,7 @@ import grpc
 from cascadia.bench.hop import hop_cost
 from cascadia.frame_stream import FrameStream
 from cascadia.router.local import free_port
-from cascadia.shard.service import CHANNEL_OPTIONS, pb, rpc
+from cascadia.wire import CHANNEL_OPTIONS, pb, rpc
 
 
 class Recorder(rpc.ShardServicer):

@@ -20,7 +20,7 @@ from cascadia.router.limits import FleetLimits
 from cascadia.router.local import LocalFleet, free_port
 from cascadia.router.pipeline import PipelineDriver, RequestFailed
 from cascadia.router.scheduler import Request, SchedulerConfig
-from cascadia.shard.service import pb, rpc
+from cascadia.wire import pb, rpc
 from tests.helpers import next_token_log_probs, router_ready
 
 pytestmark = pytest.mark.slow

@@ -24,7 +24,7 @@ from cascadia.model.loader import load_shape, load_stage
 from cascadia.router.local import LocalFleet
 from cascadia.router.pipeline import PipelineDriver
 from cascadia.router.scheduler import Request, SchedulerConfig
-from cascadia.shard.service import pb, rpc
+from cascadia.wire import pb, rpc
 from tests.helpers import print_logs
 
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from cascadia import tls
 from cascadia.router.netem import EmulatedNetwork, LinkShape
-from cascadia.shard.service import CHANNEL_OPTIONS, pb, rpc
+from cascadia.wire import CHANNEL_OPTIONS, pb, rpc
 
 
 class FrameSink(rpc.ShardServicer):

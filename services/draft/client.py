@@ -12,9 +12,8 @@ import grpc
 
 from cascadia import tls
 from cascadia.draft.proposer import HybridProposer
-from cascadia.protos import load
+from cascadia.wire import pb, rpc
 
-pb, rpc = load()
 log = logging.getLogger("cascadia.router")
 
 

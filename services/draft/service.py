@@ -10,9 +10,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cascadia import tls
 from cascadia.draft.proposer import HybridProposer
-from cascadia.protos import load
+from cascadia.wire import pb, rpc
 
-pb, rpc = load()
 log = logging.getLogger("cascadia.draft")
 MAX_K = 64
 

@@ -12,10 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cascadia import tls
 from cascadia.engine.sampling import SamplingParams
 from cascadia.gateway.errors import ApiError
-from cascadia.protos import load
-from cascadia.wire import sampling_message
-
-pb, rpc = load()
+from cascadia.wire import pb, rpc, sampling_message
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,7 @@ from cascadia.router.scheduler import (
     SchedulerConfig,
     choose_draft,
 )
-from cascadia.shard.service import CHANNEL_OPTIONS, pb, rpc
-from cascadia.wire import sampling_message
+from cascadia.wire import CHANNEL_OPTIONS, pb, rpc, sampling_message
 
 log = logging.getLogger("cascadia.router")
 CLOSE_ONLY_FRAME = 2**63  # frames that only free state carry this id and return no tokens

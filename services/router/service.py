@@ -12,8 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from cascadia import tls
 from cascadia.router.pipeline import PipelineDriver
 from cascadia.router.scheduler import Overloaded, Request
-from cascadia.shard.service import CHANNEL_OPTIONS, pb, rpc
-from cascadia.wire import sampling_params
+from cascadia.wire import CHANNEL_OPTIONS, pb, rpc, sampling_params
 
 log = logging.getLogger("cascadia.router")
 

@@ -35,14 +35,10 @@ from cascadia.engine.sampling import (
 )
 from cascadia.engine.speculation import verified_tokens
 from cascadia.frame_stream import FrameStream
-from cascadia.protos import load
 from cascadia.shard.capture import CaptureError, CaptureRecorder, CaptureSettings, RecordedBlock, StageInfo
-from cascadia.wire import sampling_params
+from cascadia.wire import CHANNEL_OPTIONS, pb, rpc, sampling_params
 
-pb, rpc = load()
 log = logging.getLogger("cascadia.shard")
-MAX_MESSAGE = 256 * 2**20
-CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)]
 
 
 class FrameRejected(ValueError):
