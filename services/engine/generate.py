@@ -11,7 +11,7 @@ import numpy as np
 from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.grammar import GrammarVocabulary
-from cascadia.engine.sampling import SamplingParams, apply_logit_bias, apply_penalties, choose
+from cascadia.engine.sampling import Sampler, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -39,19 +39,10 @@ def generate(
         if vocabulary is None:
             raise ValueError("a grammar needs the model's vocabulary")
         constraint = vocabulary.constraint(params.grammar, params.stop_ids)
-    rng = np.random.default_rng(params.seed)
-    counts = np.zeros(engine.shape.unpadded_vocab_size, dtype=np.float32)  # sampled so far, for the penalties
+    sampler = Sampler.seeded(params, constraint)
 
     def pick(logits: np.ndarray) -> int:
-        """The next token as the fleet's last stage picks it: bias, penalties, the grammar, then sampling."""
-        row = apply_penalties(apply_logit_bias(logits, params), counts, params)
-        if constraint is not None:
-            row = constraint.mask(row)
-        token = choose(row, params, rng)
-        if constraint is not None:
-            constraint.advance(token)
-        counts[token] += 1
-        return token
+        return sampler.pick(logits)[1]
 
     engine.open(stream)
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -115,3 +116,42 @@ def choose(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
         return int(np.argmax(logits))
     probs = filtered_probabilities(logits, params)
     return int(rng.choice(probs.shape[-1], p=probs))
+
+
+class Constraint(Protocol):
+    """A stream's grammar (`cascadia.engine.grammar.TokenConstraint`): mask a row, advance by a token."""
+
+    def mask(self, logits: np.ndarray) -> np.ndarray: ...
+
+    def advance(self, token: int) -> None: ...
+
+
+@dataclass
+class Sampler:
+    """One stream's next token as the fleet's last stage picks it, and `generate` alike: the logit bias,
+    the penalties over the tokens sampled so far, the grammar's mask, then the choice."""
+
+    params: SamplingParams
+    rng: np.random.Generator
+    constraint: Constraint | None = None
+    counts: np.ndarray | None = None  # how often each token was sampled, kept once a penalty needs it
+
+    @classmethod
+    def seeded(cls, params: SamplingParams, constraint: Constraint | None = None) -> Sampler:
+        return cls(params, np.random.default_rng(params.seed), constraint)
+
+    def pick(self, logits: np.ndarray) -> tuple[np.ndarray, int]:
+        """(the row the token was chosen from, the token) for one row of logits; the stream moves past it."""
+        row = apply_logit_bias(logits, self.params)
+        if self.params.penalised:
+            if self.counts is None:
+                self.counts = np.zeros(row.shape[-1], dtype=np.float32)
+            row = apply_penalties(row, self.counts, self.params)
+        if self.constraint is not None:
+            row = self.constraint.mask(row)
+        token = choose(row, self.params, self.rng)
+        if self.counts is not None:
+            self.counts[token] += 1
+        if self.constraint is not None:
+            self.constraint.advance(token)
+        return row, token

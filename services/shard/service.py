@@ -26,10 +26,9 @@ from cascadia.engine.engine import StageEngine
 from cascadia.engine.grammar import GrammarError, GrammarVocabulary, TokenConstraint
 from cascadia.engine.mtp import MtpDrafter
 from cascadia.engine.sampling import (
+    Sampler,
     SamplingParams,
     apply_logit_bias,
-    apply_penalties,
-    choose,
     log_softmax,
     scored_tokens,
 )
@@ -46,14 +45,12 @@ class FrameRejected(ValueError):
 
 
 @dataclass
-class _Sampler:
-    params: SamplingParams
-    rng: np.random.Generator
-    counts: np.ndarray | None = None  # how often each token was sampled, for the penalties
+class _Sampler(Sampler):
+    """A stream's `Sampler` on the last stage, with what scoring its prompt needs."""
+
     scores_prompt: bool = False  # until its first token, every prompt token is scored
     sampled: bool = False
     carry: np.ndarray | None = None  # the log-probs after the last block's last row, for the next block's first token
-    constraint: TokenConstraint | None = None  # the stream's grammar, at its place after the tokens sampled so far
 
     def scoring(self, block) -> bool:
         return self.scores_prompt and not self.sampled and not block.draft
@@ -482,19 +479,9 @@ class ShardServicer(rpc.ShardServicer):
                 if sampler.constraint is not None:
                     result.tokens[-1].forced.extend(sampler.constraint.forced())
                 continue
-            row = apply_logit_bias(rows[-1], params)
-            if params.penalised:
-                if sampler.counts is None:
-                    sampler.counts = np.zeros(row.shape[-1], dtype=np.float32)
-                row = apply_penalties(row, sampler.counts, params)
-            if sampler.constraint is not None:
-                row = sampler.constraint.mask(row)
-            token = choose(row, params, sampler.rng)
-            if sampler.counts is not None:
-                sampler.counts[token] += 1
+            row, token = sampler.pick(rows[-1])
             result.tokens.append(self._sampled(block.stream, row, token, params))
             if sampler.constraint is not None:
-                sampler.constraint.advance(token)
                 result.tokens[-1].forced.extend(sampler.constraint.forced())
         return result
 
