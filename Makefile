@@ -31,7 +31,7 @@ run:
 	$(PYTHON) -m cascadia.cli up --shards 3 --port 8000
 
 test:
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q --durations=20
 
 lint:
 	$(PYTHON) -m ruff check .

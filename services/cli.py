@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from cascadia import defaults
 from cascadia.gateway.response_store import DEFAULT_CAPACITY, DEFAULT_TTL_S
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Cascadia: MoE serving across a fleet.")
@@ -422,7 +423,7 @@ def shard(
     ] = None,
     streams: Annotated[
         int, typer.Option(min=1, help="Streams the shard is sized for: its ring pools' slots, and the memory check.")
-    ] = 88,
+    ] = defaults.PLANNED_STREAMS,
     streams_per_step: Annotated[
         int | None,
         typer.Option(min=1, help="Streams stepped together, for the memory check (the router's rows per group)."),
@@ -515,10 +516,10 @@ def router(
     listen: Annotated[str, typer.Option(help="Address of the router's gRPC API.")],
     stages: Annotated[str, typer.Option(help="Comma-separated stage addresses, first stage first.")],
     collect: Annotated[str, typer.Option(help="Address the last stage delivers tokens to (--reply-to).")],
-    rows_per_group: Annotated[int, typer.Option(min=1)] = 8,
-    prefill_window: Annotated[int, typer.Option(min=1)] = 8,
-    max_streams: Annotated[int, typer.Option(min=1)] = 176,
-    max_queue: Annotated[int, typer.Option(min=0)] = 1024,
+    rows_per_group: Annotated[int, typer.Option(min=1)] = defaults.ROWS_PER_GROUP,
+    prefill_window: Annotated[int, typer.Option(min=1)] = defaults.PREFILL_WINDOW,
+    max_streams: Annotated[int, typer.Option(min=1)] = defaults.MAX_STREAMS,
+    max_queue: Annotated[int, typer.Option(min=0)] = defaults.MAX_QUEUE,
     frame_timeout: Annotated[float, typer.Option(min=0.1, help="Seconds before a frame counts as lost.")] = 30.0,
     max_draft: Annotated[
         int, typer.Option(min=0, max=31, help="Drafted tokens per speculative round (0: no speculation).")
@@ -1240,7 +1241,7 @@ def plan(
     expert_weights: Annotated[str, typer.Option(help="f32, f16, int8 or int4")] = "int4",
     attention_weights: Annotated[str, typer.Option(help="f32, f16, int8 or int4")] = "int8",
     head_weights: Annotated[str, typer.Option(help="f32, f16, int8 or int4")] = "int8",
-    streams: Annotated[int, typer.Option(min=1, help="Streams the KV budget is sized for.")] = 88,
+    streams: Annotated[int, typer.Option(min=1, help="Streams the KV budget is sized for.")] = defaults.PLANNED_STREAMS,
     streams_per_step: Annotated[
         int | None,
         typer.Option(min=1, help="Streams a shard steps together (the router's rows per group); default all."),

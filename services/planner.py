@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from cascadia import defaults
 from cascadia.engine.kv_quant import bytes_per_element
 from cascadia.engine.state import KV_BLOCK, cache_blocks, far_blocks_for
 from cascadia.model.config import ModelShape, shape_from_config
@@ -86,7 +87,7 @@ class PlanRequest:
     attention_weights: WeightFormat = "int8"
     head_weights: WeightFormat = "int8"
     layers_per_node: int | None = None
-    streams: int = 88  # concurrent streams the KV budget is sized for
+    streams: int = defaults.PLANNED_STREAMS  # concurrent streams the KV budget is sized for
     # streams a shard steps together (at most the router's rows per group); None: all of them, as in
     # one frame of every stream on a one-machine chain
     streams_per_step: int | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from cascadia import defaults
 from cascadia.engine.cpu_isa import AMX_CHOICES
 from cascadia.operator import GROUP, KIND, PLURAL, VERSION
 from cascadia.planner import PRESET_CONFIGS
@@ -155,11 +156,15 @@ SPEC = _object(
         "serving": _object(
             "Scheduling and memory budget.",
             {
-                "rowsPerGroup": _int("Rows per pipeline group.", 1, 256, 8),
-                "prefillWindow": _int("Prompt rows per prefill window.", 1, 1024, 8),
-                "maxStreams": _int("Concurrent streams (the KV budget is sized for them).", 1, 4096, 88),
+                "rowsPerGroup": _int("Rows per pipeline group.", 1, 256, defaults.ROWS_PER_GROUP),
+                "prefillWindow": _int("Prompt rows per prefill window.", 1, 1024, defaults.PREFILL_WINDOW),
+                "maxStreams": _int(
+                    "Concurrent streams (the KV budget is sized for them).", 1, 4096, defaults.PLANNED_STREAMS
+                ),
                 "contextBudget": _int("Global-layer positions per stream.", 64, 524288, 1024),
-                "maxQueue": _int("Requests waiting beyond which the router answers overloaded.", 0, 100000, 1024),
+                "maxQueue": _int(
+                    "Requests waiting beyond which the router answers overloaded.", 0, 100000, defaults.MAX_QUEUE
+                ),
                 "keepFinished": _int(
                     "Finished streams the shards keep (within maxStreams), so that a prompt that starts with "
                     "one's tokens, such as a conversation's next turn, computes only the rest.",

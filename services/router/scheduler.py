@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from cascadia import defaults
 from cascadia.engine.sampling import SamplingParams
 
 RequestId = str
@@ -29,10 +30,10 @@ class Overloaded(RuntimeError):
 @dataclass(frozen=True)
 class SchedulerConfig:
     stages: int
-    rows_per_group: int = 8
-    prefill_window: int = 8
-    max_streams: int = 176  # streams holding state on the chain at once
-    max_queue: int = 1024  # requests waiting for admission
+    rows_per_group: int = defaults.ROWS_PER_GROUP
+    prefill_window: int = defaults.PREFILL_WINDOW
+    max_streams: int = defaults.MAX_STREAMS  # streams holding state on the chain at once
+    max_queue: int = defaults.MAX_QUEUE  # requests waiting for admission
     max_draft: int = 0  # drafted tokens per verify block (0: no speculation); within the stages' rewind slack
     mtp_draft: int = 0  # tokens the last stage's MTP head drafts after each token (0: the chain has no head)
     # frames on the chain at once (0: one per stage, so every stage works at once). Stages that share
