@@ -256,7 +256,8 @@ def _edge_bytes(shape: ModelShape, request: PlanRequest) -> tuple[int, int]:
     return embed, head
 
 
-def _stage(shape: ModelShape, request: PlanRequest, node: str, start: int, end: int) -> StagePlan:
+def plan_stage(shape: ModelShape, request: PlanRequest, node: str, start: int, end: int) -> StagePlan:
+    """What layers [start, end) on `node` hold: weights, the plugin's copy, stream state, runtime."""
     embed, head = _edge_bytes(shape, request)
     weights = sum(layer_weight_bytes(shape, i, request) for i in range(start, end))
     weights += embed if start == 0 else 0
@@ -297,7 +298,7 @@ def plan_fleet(shape: ModelShape, request: PlanRequest) -> FleetPlan:
         needed = math.ceil(layers / k)
         if needed > len(nodes):
             raise PlanError(f"{layers} layers at {k} per node need {needed} nodes; the fleet has {len(nodes)}")
-        stages = [_stage(shape, request, nodes[i], i * k, min((i + 1) * k, layers)) for i in range(needed)]
+        stages = [plan_stage(shape, request, nodes[i], i * k, min((i + 1) * k, layers)) for i in range(needed)]
         _check_fits(stages, request.node_memory)
         return FleetPlan(tuple(stages), request.node_memory, "fixed", f"{k} layers per node on {needed} nodes")
     return _balanced(shape, request)
@@ -312,7 +313,7 @@ def _balanced(shape: ModelShape, request: PlanRequest) -> FleetPlan:
     def node_bytes(start: int, end: int) -> int:
         key = (start, end)
         if key not in cost:
-            cost[key] = _stage(shape, request, "", start, end).total_bytes
+            cost[key] = plan_stage(shape, request, "", start, end).total_bytes
         return cost[key]
 
     inf = float("inf")
@@ -334,7 +335,7 @@ def _balanced(shape: ModelShape, request: PlanRequest) -> FleetPlan:
         bounds.append((s, e))
         e = s
     bounds.reverse()
-    stages = [_stage(shape, request, nodes[i], s, e) for i, (s, e) in enumerate(bounds)]
+    stages = [plan_stage(shape, request, nodes[i], s, e) for i, (s, e) in enumerate(bounds)]
     _check_fits(stages, request.node_memory)
     sizes = [e - s for s, e in bounds]
     even = layers / count
@@ -410,7 +411,7 @@ def parse_size(text: str) -> int:
 
 def stage_state_bytes(shape: ModelShape, start: int, end: int, request: PlanRequest) -> int:
     """Stream state of layers [start, end) for the request's streams and context (`StagePlan.state_bytes`)."""
-    return _stage(shape, request, "", start, end).state_bytes
+    return plan_stage(shape, request, "", start, end).state_bytes
 
 
 def context_that_fits(shape: ModelShape, start: int, end: int, request: PlanRequest, free_bytes: int, most: int) -> int:

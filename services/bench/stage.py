@@ -113,12 +113,12 @@ def convert_measured(model: Path, out: Path, precision: str, start: int, end: in
 
 def source_bytes(model: Path, start: int, end: int) -> int:
     """Bytes of the checkpoint's tensors a conversion of layers [start, end) reads."""
-    from cascadia.engine.converted import _tensor_prefixes
+    from cascadia.engine.converted import stage_tensor_prefixes
     from cascadia.model.checkpoint import StageReader, TensorSource
 
     source = TensorSource(model)
     try:
-        prefixes = _tensor_prefixes(StageReader(model, start, end))
+        prefixes = stage_tensor_prefixes(StageReader(model, start, end))
         return sum(source.nbytes(n) for n in source.names() if any(n.startswith(p) for p in prefixes))
     finally:
         source.close()
@@ -128,11 +128,11 @@ def stage_plan(model: Path, precision: str, start: int, end: int, streams: int):
     """`cascadia plan`'s stage for these layers on one node, sized for `streams`, as the shard is started."""
     from cascadia.engine.settings import preset
     from cascadia.model.loader import load_shape
-    from cascadia.planner import PlanRequest, _stage
+    from cascadia.planner import PlanRequest, plan_stage
 
     settings = preset(precision)
     request = PlanRequest.from_settings(("node",), 1 << 50, settings, streams=streams)
-    return _stage(load_shape(model), request, "node", start, end), request
+    return plan_stage(load_shape(model), request, "node", start, end), request
 
 
 def run_stage_bench(config: StageBenchConfig, say) -> dict[str, Any]:

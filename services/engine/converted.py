@@ -82,7 +82,7 @@ def _digest(model_dir: Path, start: int, end: int, precision: str, settings: Eng
     reader = StageReader(model_dir, start, end)
     source = TensorSource(model_dir)
     try:
-        prefixes = _tensor_prefixes(reader)
+        prefixes = stage_tensor_prefixes(reader)
         names = [n for n in source.names() if any(n.startswith(p) for p in prefixes)]
         tensors = source.source_digest(names)
     finally:
@@ -100,7 +100,8 @@ def _digest(model_dir: Path, start: int, end: int, precision: str, settings: Eng
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
-def _tensor_prefixes(reader: StageReader) -> list[str]:
+def stage_tensor_prefixes(reader: StageReader) -> list[str]:
+    """Name prefixes of the checkpoint tensors a stage reads: its layers, and the embedding or the head."""
     published = reader.shape.layout == "published"
     layer = "model.llm.layers." if published else "model.layers."
     prefixes = [f"{layer}{i}." for i in range(reader.start_layer, reader.end_layer)]
