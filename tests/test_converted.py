@@ -93,6 +93,19 @@ def test_a_second_run_writes_nothing_and_a_changed_input_converts_again(tiny, tm
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5}))
     assert not converted.convert(model, out, preset("int8"), "int8", 0, 5).up_to_date
+    assert converted.convert(model, out, preset("int8"), "int8", 0, 5).up_to_date
+
+
+def test_a_conversion_made_by_other_graph_code_is_made_again(tiny, tmp_path, monkeypatch):
+    code = tmp_path / "graphs.py"
+    code.write_text("# one version of the graph code\n")
+    monkeypatch.setattr(converted, "_graph_code", lambda: (code,))
+    out = tmp_path / "c"
+    assert not converted.convert(tiny, out, preset("int4"), "int4", 0, 5).up_to_date
+    assert converted.convert(tiny, out, preset("int4"), "int4", 0, 5).up_to_date
+    code.write_text("# the graph code changed\n")
+    assert not converted.convert(tiny, out, preset("int4"), "int4", 0, 5).up_to_date
+    assert converted.code_digest() != converted.code_digest((tmp_path / "graphs.py", code))
 
 
 def test_an_interrupted_conversion_leaves_nothing_a_shard_would_load(tiny, tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ own, so that no measurement inherits another's memory.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -51,8 +52,6 @@ def _child_serve(model: Path, precision: str, start: int, end: int, rows: list[i
     began = time.monotonic()
     engine = load_engine(model, preset(precision, planned_streams=max(rows)), start, end, precision)
     loaded_s = time.monotonic() - began
-    import os
-
     anon_loaded = _smaps(os.getpid()).get("Anonymous", 0)
     out: dict[str, Any] = {"load_s": loaded_s, "anon_loaded_bytes": anon_loaded, "steps": {}}
     width = engine.shape.hidden_size

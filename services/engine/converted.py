@@ -78,9 +78,24 @@ def read_manifest(path: Path) -> dict:
         raise ConvertedStageError(f"{path}: unreadable {MANIFEST} ({exc})") from None
 
 
-def _digest(model_dir: Path, start: int, end: int, precision: str, settings: EngineSettings) -> str:
-    reader = StageReader(model_dir, start, end)
-    source = TensorSource(model_dir)
+def code_digest(files: tuple[Path, ...] | None = None) -> str:
+    """A digest of the code that builds a stage's graphs and stores its weights: a conversion made by
+    other code is made again, even under the same version number."""
+    hasher = hashlib.sha256()
+    for path in files or _graph_code():
+        hasher.update(Path(path).read_bytes())
+    return hasher.hexdigest()
+
+
+def _graph_code() -> tuple[Path, ...]:
+    from cascadia.engine import engine, graph_store, graphs, stage_graph, weights
+    from cascadia.model import checkpoint, formats
+
+    return tuple(Path(m.__file__) for m in (engine, graph_store, graphs, stage_graph, weights, checkpoint, formats))
+
+
+def _digest(reader: StageReader, precision: str, settings: EngineSettings) -> str:
+    source = TensorSource(reader.model_dir)
     try:
         prefixes = stage_tensor_prefixes(reader)
         names = [n for n in source.names() if any(n.startswith(p) for p in prefixes)]
@@ -89,11 +104,12 @@ def _digest(model_dir: Path, start: int, end: int, precision: str, settings: Eng
         source.close()
     key = {
         "tensors": tensors,
-        "config": hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest(),
-        "layers": [start, end],
+        "config": hashlib.sha256((reader.model_dir / "config.json").read_bytes()).hexdigest(),
+        "layers": [reader.start_layer, reader.end_layer],
         "precision": precision,
         "settings": graph_settings(settings),
         "cascadia": __version__,
+        "code": code_digest(),
         "openvino": ov.get_version(),
         "format": FORMAT_VERSION,
     }
@@ -131,11 +147,11 @@ def convert(
     began = time.monotonic()
     model_dir, out = Path(model_dir), Path(out)
     say = progress or (lambda _line: None)
-    digest = _digest(model_dir, start, end, precision, settings)
+    reader = StageReader(model_dir, start, end, settings.stored_forms, packed_store, say)
+    digest = _digest(reader, precision, settings)
     if is_converted(out) and read_manifest(out).get("digest") == digest:
         say(f"{out} already holds layers {start}:{end} at {precision} from these inputs: nothing to do")
         return ConvertResult(str(out), start, end, precision, settings.device, 0, 0.0, _peak_rss(), True)
-    reader = StageReader(model_dir, start, end, settings.stored_forms, packed_store, say)
     names = stage_graph_names(start, end, reader.is_first, reader.is_last, settings)
     out.parent.mkdir(parents=True, exist_ok=True)
     for leftover in out.parent.glob(f".{out.name}.partial-*"):

@@ -50,26 +50,16 @@ class BuiltGraphs:
 
 
 class WrittenGraphs:
-    """Graphs built, written as OpenVINO IR under `directory` (name.xml, name.bin) and read back mapped."""
+    """Graphs built and written as OpenVINO IR under `directory` (name.xml, name.bin), for `ReadGraphs`."""
 
-    def __init__(self, core: ov.Core, settings: EngineSettings, directory: Path, progress=None) -> None:
+    def __init__(self, core: ov.Core, settings: EngineSettings, directory: Path) -> None:
         self._core, self._settings, self.directory = core, settings, Path(directory)
-        self.written: list[str] = []
-        self._progress = progress
 
     def save(self, name: str, build: Build) -> Path:
         """Build graph `name` and write it; nothing of it stays in memory."""
-        model = build()
         path = self.directory / f"{name}.xml"
-        mapped.save_ir(self._core, model, path, self._settings.device)
-        del model
-        self.written.append(name)
-        if self._progress is not None:
-            self._progress(name)
+        mapped.save_ir(self._core, build(), path, self._settings.device)
         return path
-
-    def model(self, name: str, build: Build) -> ov.Model:
-        return mapped.read_ir(self._core, self.save(name, build), self._settings.device)
 
 
 class ReadGraphs:
