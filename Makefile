@@ -36,6 +36,7 @@ test:
 lint:
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
+	lint-imports
 
 format:
 	$(PYTHON) -m ruff format .

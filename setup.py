@@ -1,27 +1,22 @@
-"""Generate the gRPC modules from protos/ when a wheel is built (editable installs build them on first use)."""
+"""Generate the gRPC modules from protos/ into cascadia.wire.generated whenever the package is built or
+installed (a wheel, or `pip install -e .`): nothing is generated when the package is imported."""
 
-import shutil
-import sys
+import importlib.util
 from pathlib import Path
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
+ROOT = Path(__file__).resolve().parent
+
 
 class BuildWithProtos(build_py):
     def run(self) -> None:
+        spec = importlib.util.spec_from_file_location("cascadia_protoc", ROOT / "services/wire/protoc.py")
+        protoc = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(protoc)
+        protoc.generate(ROOT / "protos", ROOT / "services/wire/generated")
         super().run()
-        if self.editable_mode:
-            return
-        package = Path(self.build_lib) / "cascadia"
-        source = package / "proto_src"
-        source.mkdir(parents=True, exist_ok=True)
-        for proto in Path("protos").rglob("*.proto"):
-            shutil.copy2(proto, source / proto.name)
-        sys.path.insert(0, str(Path(self.build_lib)))
-        from cascadia import protos  # the copy in build_lib, whose paths point inside it
-
-        protos.build()
 
 
 setup(cmdclass={"build_py": BuildWithProtos})

@@ -1,15 +1,15 @@
 # The router: admission, pipeline groups and sampling parameters over the chain of shards.
 FROM python:3.11.11-slim-bookworm AS build
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY services ./services
 COPY operator ./operator
 COPY protos ./protos
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM python:3.11.11-slim-bookworm
 COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
+RUN pip install --no-cache-dir --find-links /wheels "cascadia[router]==0.1.0" && rm -rf /wheels
 RUN groupadd --system --gid 10001 cascadia \
     && useradd --system --uid 10001 --gid cascadia --no-create-home cascadia
 USER 10001:10001

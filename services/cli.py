@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import sys
@@ -17,6 +16,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from cascadia import defaults
 from cascadia.gateway.response_store import DEFAULT_CAPACITY, DEFAULT_TTL_S
+from cascadia.progress import log_line
+from cascadia.role_args import RouterArgs, ShardArgs
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Cascadia: MoE serving across a fleet.")
 model_app = typer.Typer(no_args_is_help=True, help="Model files: synthetic checkpoints.")
@@ -47,7 +48,7 @@ def choose_cpu_kernels(
         ),
     ] = "auto",
 ) -> None:
-    from cascadia.engine.cpu_isa import apply_amx_choice
+    from cascadia.cpu_isa import apply_amx_choice
 
     try:
         apply_amx_choice(cpu_amx)
@@ -84,11 +85,6 @@ def progress_bar() -> Progress:
         console=err,
         transient=True,
     )
-
-
-def log_line(line: str) -> None:
-    """A progress line on stderr, kept by terminals and pod logs alike."""
-    print(f"{time.strftime('%H:%M:%S')} {line}", file=sys.stderr, flush=True)
 
 
 def log_progress(line: str) -> None:
@@ -195,51 +191,24 @@ def parse_prompt_ids(text: str) -> list[int]:
 def load_engine(
     model_dir: Path, settings, start: int | None = None, end: int | None = None, precision: str | None = None
 ):
-    """The engine of layers [start, end) (default: all): from a converted stage (its graphs mapped, nothing
-    quantised), an Inkling checkpoint (each layer read and quantised as its graph is built), or another
-    model's weights."""
-    from cascadia.engine import converted
-    from cascadia.engine.engine import StageEngine
-    from cascadia.engine.memory import release_unused_memory
-    from cascadia.engine.weights import packed_store
-    from cascadia.model.checkpoint import CheckpointError, StageReader
-    from cascadia.model.loader import is_gguf, load_shape, load_stage
+    """`cascadia.engine.loading.load_engine` with a progress bar (lines where stderr is a log) and its
+    refusals as command-line errors."""
+    from cascadia.engine.loading import StageLoadError
+    from cascadia.engine.loading import load_engine as load
 
-    shape = load_shape(model_dir)
-    start = 0 if start is None else start
-    end = shape.num_layers if end is None else end
     with progress_bar() as bar:
         task = bar.add_task("reading weights", total=None)
-        total = end - start + int(start == 0) + int(end == shape.num_layers)
+        where = "stage" if start is None or end is None else f"stage {start}:{end}"
 
         def tick(what: str, done: int, total: int) -> None:
-            bar.update(task, description=f"compiling {what}", completed=done, total=total)
-            log_progress(f"stage {start}:{end}: {what} ({done}/{total})")
+            bar.update(task, description=what, completed=done, total=total)
+            if done:
+                log_progress(f"{where}: {what} ({done}/{total})")
 
-        if converted.is_converted(model_dir):
-            try:
-                store = converted.open_converted(model_dir, settings, start, end, precision)
-            except converted.ConvertedStageError as exc:
-                raise fail(str(exc)) from None
-            bar.update(task, description="mapping and compiling", total=total)
-            layers = converted.ConvertedLayers(shape, start, end)
-            engine = StageEngine(layers, settings, progress=tick, graph_store=store)
-        elif shape.family == "inkling" and not is_gguf(model_dir):
-            bar.update(task, description="reading and compiling", total=total)
-            try:
-                reader = StageReader(model_dir, start, end, settings.stored_forms, packed_store, log_progress)
-            except CheckpointError as exc:
-                raise fail(str(exc)) from None
-            engine = StageEngine(reader, settings, progress=tick)
-        else:
-            weights = load_stage(model_dir, start, end)
-            bar.update(task, description="compiling", total=total)
-            # the compiled stage holds its own copy: the file's arrays and compile-time buffers can go
-            reload = functools.partial(load_stage, model_dir, start, end)
-            engine = StageEngine(weights, settings, progress=tick, reload=reload)
-            del weights
-        release_unused_memory()
-        return engine
+        try:
+            return load(model_dir, settings, start, end, precision, progress=tick, log=log_progress)
+        except StageLoadError as exc:
+            raise fail(str(exc)) from None
 
 
 @app.command()
@@ -261,8 +230,8 @@ def generate(
 ) -> None:
     """Generate a continuation of a prompt (greedy unless a temperature is given)."""
     from cascadia.engine.generate import generate as run
-    from cascadia.engine.sampling import SamplingParams
     from cascadia.engine.settings import preset
+    from cascadia.sampling_params import SamplingParams
 
     if (prompt is None) == (prompt_ids is None):
         raise fail("give exactly one of --prompt and --prompt-ids")
@@ -340,7 +309,6 @@ def _generate_on_fleet(
     mtp_depths: int = 0,
 ):
     import asyncio
-    import time
 
     from cascadia.engine.generate import Generation
     from cascadia.router.local import LocalFleet
@@ -444,10 +412,14 @@ def shard(
     from cascadia.engine.settings import preset
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if (next_addr is None) == (reply_to is None):
-        raise fail("give exactly one of --next and --reply-to")
-    check_precision(precision)
     start, end = parse_layers(layers)
+    try:
+        ShardArgs(
+            model, (start, end), listen, stage, precision, device, context, streams, next_addr, reply_to,
+            kv_precision, mtp_depths or None, threads or None,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise fail(str(exc)) from None
     model_dir = resolve_model(model)
     from cascadia.model.checkpoint import CheckpointError
     from cascadia.model.config import ConfigError
@@ -459,8 +431,6 @@ def shard(
             raise fail(f"--layers {layers}: only the stage ending at layer {shape.num_layers} takes --reply-to")
         overrides = {"kv_precision": kv_precision, "threads": threads, **({"context": context} if context else {})}
         settings = preset(precision, device=device, planned_streams=streams, **overrides)
-        if mtp_depths and reply_to is None:
-            raise fail("--mtp-depths is for the last stage (the one with --reply-to)")
         engine = load_engine(model_dir, settings, start, end, precision)
         drafter = _mtp_drafter(model_dir, settings, mtp_depths, mtp_vocab) if mtp_depths else None
     except (ConfigError, CheckpointError, ValueError) as exc:
@@ -484,7 +454,7 @@ def shard(
 
 def _grammar_vocabulary(model_dir: Path, sampled_vocab: int):
     """The last stage's tokens for grammars; a model whose tokenizer cannot be read is served without them."""
-    from cascadia.engine.grammar import GrammarVocabulary
+    from cascadia.grammar import GrammarVocabulary
 
     log = logging.getLogger("cascadia.shard")
     try:
@@ -564,12 +534,10 @@ def router(
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     addrs = [a for a in stages.split(",") if a]
-    if not addrs:
-        raise fail("--stages is empty")
-    if max_draft >= rows_per_group:
-        raise fail(f"--max-draft {max_draft} must be below --rows-per-group {rows_per_group}")
-    if mtp_draft and not max_draft:
-        raise fail(f"--mtp-draft {mtp_draft} drafts for speculative rounds: give --max-draft too")
+    try:
+        RouterArgs(listen, tuple(addrs), collect, rows_per_group, max_draft=max_draft, mtp_draft=mtp_draft)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
     config = SchedulerConfig(
         len(addrs),
         rows_per_group,
@@ -629,7 +597,7 @@ def capture(
     )
 
     async def go() -> list:
-        from cascadia import tls
+        from cascadia.wire import tls
 
         if router_addr is not None:
             async with tls.channel(router_addr) as channel:
@@ -715,7 +683,7 @@ def eval_draft(
     """Score draft sources on captured sequences: the MTP head (teacher- and self-fed), suffix, shared, model."""
     from rich.table import Table
 
-    from cascadia.draft import evaluate
+    from cascadia.bench import draft_eval as evaluate
     from cascadia.engine.settings import EngineSettings
     from cascadia.shard.capture import CaptureError, confirmed_streams, read_capture
 
@@ -745,7 +713,8 @@ def eval_draft(
         from cascadia.gateway.text import TextCodec
 
         with err.status("scoring the draft model"):
-            drafter = EngineDrafter(resolve_model(draft_model), TextCodec.from_model(model_dir))
+            drafter_path = resolve_model(draft_model)
+            drafter = EngineDrafter(drafter_path, TextCodec.from_model(model_dir), TextCodec.from_model(drafter_path))
             sources["model"] = evaluate.score_proposer(
                 streams, lambda s, context, k: drafter.draft(context, k, s), depths
             )
@@ -835,7 +804,9 @@ def draft_command(
         from cascadia.gateway.text import TextCodec
 
         with err.status(f"loading the draft model {draft_model}"):
-            drafter = EngineDrafter(resolve_model(draft_model), TextCodec.from_model(resolve_model(target)), device)
+            drafter_path = resolve_model(draft_model)
+            target_codec = TextCodec.from_model(resolve_model(target))
+            drafter = EngineDrafter(drafter_path, target_codec, TextCodec.from_model(drafter_path), device)
     run_until_signal(serve(HybridProposer(shared=shared, model=drafter, shared_ngram=ngram), listen))
 
 
@@ -845,7 +816,7 @@ ApiKeysFile = Annotated[
     typer.Option(exists=True, dir_okay=False, help="File of API keys, one per line (also $CASCADIA_API_KEYS)."),
 ]
 MaxContext = Annotated[int, typer.Option(min=2, help="Positions per request: prompt plus generated tokens.")]
-PrecisionOption = Annotated[str, typer.Option(help="f32, bf16, f16, int8, int4 or w8a8")]
+PrecisionOption = Annotated[str, typer.Option(help="f32, bf16, f16, int8, int4, w8a8 or w4a8")]
 KvPrecisionOption = Annotated[
     str, typer.Option(help="Keys and values kept as f32, f16 (half the memory) or u8 (about a quarter).")
 ]
@@ -943,7 +914,7 @@ def probe(
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from cascadia import tls
+    from cascadia.wire import tls
 
     with tls.blocking_channel(address) as channel:
         try:
@@ -987,9 +958,9 @@ def up(
     """The whole fleet on this machine: shard processes, router, draft service, Redis and gateway, until Ctrl-C."""
     import signal
     import subprocess
-    import time
 
     from cascadia.parent import child_env
+    from cascadia.role_args import GatewayArgs
     from cascadia.router.local import LocalFleet, free_port, local_ranges, reserve_port
 
     model_dir = resolve_model(model)
@@ -1002,7 +973,7 @@ def up(
     if tls_dir is not None:
         import os
 
-        from cascadia.tls import ENV, Tls, TlsError
+        from cascadia.wire.tls import ENV, Tls, TlsError
 
         try:
             Tls.from_dir(tls_dir)
@@ -1029,17 +1000,21 @@ def up(
     try:
         fleet.start(log_dir)
         router_port = router_port or free_port()
-        drafting = []
+        drafting: dict[str, object] = {}
         if speculation == "on":
             address = fleet.start_draft(log_dir, str(resolve_model(draft_model)) if draft_model else None)
-            drafting = ["--max-draft", str(fleet.scheduler_config().longest_draft), "--draft", address]
-            drafting += ["--mtp-draft", str(mtp_depths)] if mtp_depths else []
-        router_proc = fleet.start_router(router_port, log_dir / "router.log" if log_dir else None, *drafting)
-        cmd = [sys.executable, "-m", "cascadia.cli", "gateway", "--router", f"127.0.0.1:{router_port}"]
-        cmd += ["--model", str(model_dir), "--port", str(port), "--max-context", str(max_context)]
-        cmd += ["--max-concurrent-per-key", str(max_concurrent_per_key)]
-        if api_keys_file is not None:
-            cmd += ["--api-keys-file", str(api_keys_file)]
+            drafting = {"max_draft": fleet.scheduler_config().longest_draft, "draft": address}
+            drafting |= {"mtp_draft": mtp_depths} if mtp_depths else {}
+        router_proc = fleet.start_router(router_port, log_dir / "router.log" if log_dir else None, **drafting)
+        gateway_args = GatewayArgs(
+            f"127.0.0.1:{router_port}",
+            str(model_dir),
+            port=port,
+            max_context=max_context,
+            max_concurrent_per_key=max_concurrent_per_key,
+            api_keys_file=str(api_keys_file) if api_keys_file is not None else None,
+        )
+        cmd = [sys.executable, "-m", "cascadia.cli", *gateway_args.to_argv()]
         gateway_log = open(log_dir / "gateway.log", "w") if log_dir else None  # noqa: SIM115
         gateway_proc = subprocess.Popen(
             cmd, stdout=gateway_log, stderr=subprocess.STDOUT if gateway_log else None, env=child_env()

@@ -69,7 +69,7 @@ def tiny_codec(tiny: Path):
 @pytest.fixture(scope="session")
 def tiny_vocabulary(tiny: Path):
     """The tiny model's tokens as grammars see them."""
-    from cascadia.engine.grammar import GrammarVocabulary
+    from cascadia.grammar import GrammarVocabulary
     from cascadia.model.config import load_shape
 
     return GrammarVocabulary.from_model(tiny, load_shape(tiny).unpadded_vocab_size)

@@ -21,13 +21,13 @@ import pytest
 from cascadia.bench.load import wait_until_ready
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.generate import generate
-from cascadia.engine.grammar import GrammarVocabulary
-from cascadia.engine.sampling import SamplingParams
 from cascadia.engine.settings import EngineSettings
 from cascadia.gateway.text import TextCodec
+from cascadia.grammar import GrammarVocabulary
 from cascadia.model.checkpoint import load_stage
 from cascadia.model.config import load_shape
 from cascadia.router.local import free_port
+from cascadia.sampling_params import SamplingParams
 from cascadia.wire import pb, rpc
 from tests.helpers import print_logs
 

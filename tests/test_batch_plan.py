@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cascadia.engine.batch import Segment, plan_step
-from cascadia.engine.state import steady_size
+from cascadia.kv_layout import steady_size
 
 
 def test_rows_are_laid_out_segment_after_segment():

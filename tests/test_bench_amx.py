@@ -7,7 +7,7 @@ import json
 import pytest
 
 from cascadia.bench.amx import engine_rates, paired_rates
-from cascadia.engine.cpu_isa import BELOW_AMX
+from cascadia.cpu_isa import BELOW_AMX
 from tests.test_cli import cascadia
 
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from cascadia.bench.engine import OTHER_OPS, op_breakdowns, step_weight_bytes, uniform_routed
+from cascadia.cpu_isa import AMX_FLAGS, ONEDNN_ISA_VARIABLE, cpu_flags, isa_cap, read_cpuinfo
 from cascadia.engine.batch import Segment
-from cascadia.engine.cpu_isa import AMX_FLAGS, ONEDNN_ISA_VARIABLE, cpu_flags, isa_cap, read_cpuinfo
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.settings import EngineSettings, preset
 from cascadia.model.config import load_shape

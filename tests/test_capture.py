@@ -13,10 +13,10 @@ import pytest
 
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.generate import generate
-from cascadia.engine.sampling import SamplingParams
 from cascadia.engine.settings import EngineSettings
 from cascadia.model.loader import load_stage
 from cascadia.router.local import LocalFleet, free_port
+from cascadia.sampling_params import SamplingParams
 from cascadia.shard.capture import CaptureError, confirmed_streams, read_capture
 from tests.helpers import router_ready
 
@@ -55,7 +55,7 @@ def captured(tiny: Path, tmp_path_factory: pytest.TempPathFactory):
     fleet = LocalFleet(tiny, 2)
     fleet.start(root)
     port = free_port()
-    fleet.start_router(port, root / "router.log", "--max-draft", "3")
+    fleet.start_router(port, root / "router.log", max_draft=3)
     requests = prompts(3)
     try:
         asyncio.run(_run_requests(port, {"warm": requests["r0"]}, 2))  # the chain is ready before capture

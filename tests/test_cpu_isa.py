@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from cascadia.engine.cpu_isa import (
+from cascadia.cpu_isa import (
     AMX_FLAGS,
     AMX_VARIABLE,
     BELOW_AMX,
@@ -76,7 +76,7 @@ def test_the_plugin_is_found_among_the_mapped_libraries(tmp_path):
 KERNELS_AFTER_CHOICE = """
 import json, os, sys
 import numpy as np, openvino as ov, openvino.opset16 as ops
-from cascadia.engine.cpu_isa import apply_amx_choice
+from cascadia.cpu_isa import apply_amx_choice
 choice, when = sys.argv[1:]
 cap = apply_amx_choice(choice) if when == "early" else None
 x = ops.parameter([4, 256], np.float32)

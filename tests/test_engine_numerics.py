@@ -12,10 +12,10 @@ from cascadia.engine import graphs
 from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine, compile_config
 from cascadia.engine.generate import generate
-from cascadia.engine.sampling import SamplingParams
 from cascadia.engine.settings import EngineSettings, preset
 from cascadia.model.checkpoint import load_stage
 from cascadia.model.config import load_shape
+from cascadia.sampling_params import SamplingParams
 from tests.oracle import dequantised_oracle, greedy, layer_outputs, load_oracle, relative_rms
 
 PROMPTS = {
@@ -77,7 +77,7 @@ def test_greedy_ids_match_transformers_generate(checkpoints, variant):
         assert got == expected
 
 
-@pytest.mark.parametrize("mode", ["bf16", "f16", "int8", "int4", "w8a8"])
+@pytest.mark.parametrize("mode", ["bf16", "f16", "int8", "int4", "w8a8", "w4a8"])
 def test_low_precision_layers_stay_within_one_percent_of_the_dequantised_oracle(tiny, mode):
     """Each layer, fed the oracle's input rows, against the oracle run on the dequantised weights."""
     settings = preset(mode)

@@ -394,7 +394,7 @@ def test_f16_expert_arithmetic_on_the_cpu_is_refused_with_a_reason_or_runs_close
 
 def test_f16_kv_halves_the_cache_and_stays_within_a_thousandth(tiny, engine):
     from cascadia.engine.generate import generate
-    from cascadia.engine.sampling import SamplingParams
+    from cascadia.sampling_params import SamplingParams
 
     half = StageEngine(
         load_stage(tiny, 0, load_shape(tiny).num_layers), EngineSettings(context=256, kv_precision="f16")
@@ -455,7 +455,8 @@ def test_u8_kv_attends_exactly_over_its_dequantised_rows_in_about_a_quarter_of_t
 def test_a_full_global_cache_holds_the_padded_far_blocks_a_step_reads_as_a_view():
     """Near its budget a stream's far region is read in a steady block count beyond the budget's own
     blocks; the cache keeps room for it, so the step reads its storage in place instead of a copy."""
-    from cascadia.engine.state import KV_BLOCK, GrowingRows, steady_size
+    from cascadia.engine.state import GrowingRows
+    from cascadia.kv_layout import KV_BLOCK, steady_size
 
     cache = GrowingRows(81 * KV_BLOCK, (2, 4))
     cache.reserve(81 * KV_BLOCK)
@@ -469,7 +470,8 @@ def test_a_full_global_cache_holds_the_padded_far_blocks_a_step_reads_as_a_view(
 @pytest.mark.parametrize("dtype", ["float32", "uint8"])
 def test_a_global_cache_grows_in_doubling_blocks_up_to_its_budget_and_keeps_its_rows(dtype):
     from cascadia.engine.kv_quant import dequantize
-    from cascadia.engine.state import KV_BLOCK, GrowingRows
+    from cascadia.engine.state import GrowingRows
+    from cascadia.kv_layout import KV_BLOCK
 
     cache = GrowingRows(5 * KV_BLOCK, (2, 4), dtype=dtype)
     rows = np.random.default_rng(0).standard_normal((3 * KV_BLOCK, 2, 4)).astype(np.float32)

@@ -18,9 +18,9 @@ import openai
 import pytest
 
 from cascadia.bench.load import wait_until_ready
-from cascadia.engine.grammar import cfg_grammar, choice_grammar, json_grammar, regex_grammar
 from cascadia.gateway.text import TextCodec
 from cascadia.gateway.tools import CALL_CLOSE, CALL_OPEN, markup_grammar, split_calls, tool_calls_schema
+from cascadia.grammar import cfg_grammar, choice_grammar, json_grammar, regex_grammar
 from cascadia.router.local import free_port
 from cascadia.router.scheduler import common_prefix
 from tests.helpers import next_token_log_probs, with_tokenizer_config

@@ -14,22 +14,22 @@ import pytest
 from cascadia.draft.client import LocalProposer
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.generate import generate
-from cascadia.engine.grammar import (
+from cascadia.engine.settings import EngineSettings
+from cascadia.engine.speculation import verified_tokens
+from cascadia.gateway.text import TextCodec
+from cascadia.grammar import (
     GrammarError,
     GrammarVocabulary,
     choice_grammar,
     json_grammar,
     regex_grammar,
 )
-from cascadia.engine.sampling import SamplingParams
-from cascadia.engine.settings import EngineSettings
-from cascadia.engine.speculation import verified_tokens
-from cascadia.gateway.text import TextCodec
 from cascadia.model.checkpoint import load_stage
 from cascadia.model.config import load_shape
 from cascadia.router.local import LocalFleet
 from cascadia.router.pipeline import PipelineDriver
 from cascadia.router.scheduler import Request, SchedulerConfig
+from cascadia.sampling_params import SamplingParams
 from cascadia.shard.service import pb, rpc
 
 SCHEMA = {

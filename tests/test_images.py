@@ -65,6 +65,19 @@ def test_hadolint_finds_nothing(dockerfile):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_each_image_installs_its_role_extra_from_a_wheel_that_carries_the_grpc_modules(dockerfile):
+    """setup.py generates the gRPC modules when the wheel is built, so the build stage must have it; the
+    runtime installs only the role's extra (tests/test_role_dependencies.py installs each one alone)."""
+    steps = instructions(dockerfile)
+    role = dockerfile.name.split(".")[0]
+    copied = " ".join(arg for op, arg in steps if op == "COPY")
+    assert "setup.py" in copied and "protos" in copied
+    runs = [arg for op, arg in steps if op == "RUN"]
+    assert any("pip wheel" in run and "--no-deps" in run for run in runs)
+    assert any(f'"cascadia[{role}]==' in run for run in runs), f"{role} image does not install cascadia[{role}]"
+
+
 def test_every_command_the_operator_renders_parses():
     docs = yaml.safe_load_all((ROOT / "examples/inklingfleet.yaml").read_text())
     spec = parse_spec(next(d for d in docs if d["kind"] == "InklingFleet")["spec"])

@@ -16,12 +16,12 @@ import torch
 from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.generate import generate
-from cascadia.engine.sampling import SamplingParams
 from cascadia.engine.settings import EngineSettings
 from cascadia.engine.weights import dequantize, stored_node
 from cascadia.gateway.text import TextCodec
 from cascadia.model.gguf_file import GgufError, GgufFile, q4_1_blocks, q8_0_blocks
 from cascadia.model.loader import ModelNotFound, load_shape, load_stage, resolve
+from cascadia.sampling_params import SamplingParams
 
 SMOLLM = "smollm2-135m"
 PROMPTS = {

@@ -10,11 +10,11 @@ import pytest
 from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.mtp import MtpDrafter, MtpHead
-from cascadia.engine.sampling import SamplingParams
 from cascadia.engine.settings import EngineSettings
 from cascadia.engine.speculation import accept_draft
 from cascadia.model.checkpoint import CheckpointError, MtpWeights, load_mtp, load_stage
 from cascadia.model.synthetic import SyntheticSpec, write_checkpoint
+from cascadia.sampling_params import SamplingParams
 from tests.mtp_reference import MtpReference, Variant
 from tests.oracle import relative_rms
 
@@ -366,7 +366,7 @@ def test_mtp_drafts_across_shard_processes_keep_greedy_ids(mtp_model: Path, tiny
     fleet = LocalFleet(mtp_model, shards, mtp_depths=DEPTHS)
     fleet.start(tmp_path)
     port = free_port()
-    fleet.start_router(port, tmp_path / "router.log", "--max-draft", "5", "--mtp-draft", str(DEPTHS))
+    fleet.start_router(port, tmp_path / "router.log", max_draft=5, mtp_draft=DEPTHS)
 
     async def go():
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -440,7 +440,7 @@ def test_eval_draft_scores_every_source_on_a_captured_fleet(
     fleet = LocalFleet(mtp_model, 2, mtp_depths=DEPTHS)
     fleet.start(tmp_path)
     port = free_port()
-    fleet.start_router(port, tmp_path / "router.log", "--max-draft", "5", "--mtp-draft", str(DEPTHS))
+    fleet.start_router(port, tmp_path / "router.log", max_draft=5, mtp_draft=DEPTHS)
     motif = prompt(30, 7)[1:]
     requests = {"a": [1, *motif, *motif[:3]], "b": prompt(31, 12), "c": [1, *motif, 9, *motif[:4]]}
 

@@ -14,7 +14,6 @@ import pytest
 
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.generate import generate
-from cascadia.engine.sampling import SamplingParams
 from cascadia.engine.settings import EngineSettings
 from cascadia.model.checkpoint import load_stage
 from cascadia.model.config import load_shape
@@ -30,6 +29,7 @@ from cascadia.router.netem import (
 )
 from cascadia.router.pipeline import PipelineDriver
 from cascadia.router.scheduler import Request, SchedulerConfig
+from cascadia.sampling_params import SamplingParams
 from cascadia.shard.service import pb, rpc
 
 

@@ -253,7 +253,7 @@ def test_a_killed_shard_fails_its_requests_within_seconds_naming_the_stage(fleet
 def test_router_process_streams_tokens_cancels_and_reports_stats(fleet_of, solo, tmp_path):
     fleet = fleet_of(2)
     port = free_port()
-    fleet.start_router(port, tmp_path / "router.log", "--max-queue", "50", "--keep-finished", "0")
+    fleet.start_router(port, tmp_path / "router.log", max_queue=50, keep_finished=0)
     request = prompts(1, seed=9)[0]
 
     async def go():
@@ -614,7 +614,7 @@ def test_a_fleet_on_one_machine_keeps_one_large_frame_on_the_chain(tmp_path):
     assert (config.stages, config.in_flight, config.max_draft) == (3, 1, 3)
     assert config.rows_per_group > 8 and config.prefill_window > 8 and config.draft_room == 16
     assert config.longest_draft == 15  # a lone stream's verify block fills the draft rows
-    options = fleet.router_options()
+    options = fleet.router_args(0).to_argv()
     assert options[options.index("--frames-in-flight") + 1] == "1"
     fleet.network = object()  # type: ignore[assignment]
     assert fleet.scheduler_config().in_flight == 3

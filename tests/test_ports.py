@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from cascadia import tls
 from cascadia.router import local
 from cascadia.router.local import free_port
+from cascadia.wire import tls
 
 
 def test_free_port_never_repeats_within_a_process():

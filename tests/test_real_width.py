@@ -20,14 +20,15 @@ from safetensors.torch import save_file
 
 from cascadia.bench.measured import MemoryCgroup, run_measured
 from cascadia.bench.stage import serve_measured, source_bytes, stage_plan
+from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.generate import generate
-from cascadia.engine.sampling import SamplingParams
 from cascadia.engine.settings import preset
 from cascadia.engine.weights import packed_store
 from cascadia.model.checkpoint import StageReader, TensorSource, load_stage
 from cascadia.model.synthetic_real import write_real_width
-from tests.oracle import greedy, layer_outputs, load_oracle, relative_rms
+from cascadia.sampling_params import SamplingParams
+from tests.oracle import dequantised_oracle, greedy, layer_outputs, load_oracle, relative_rms
 from tests.test_engine_numerics import run_prompt
 
 pytestmark = pytest.mark.slow
@@ -160,6 +161,33 @@ def test_an_fp8_checkpoint_matches_its_dequantised_oracle(scratch):
     for i, (ours, ref) in enumerate(zip(layers, ref_layers, strict=True)):
         assert relative_rms(ours, ref) <= 1e-4, f"layer {i}"
     assert (logits.argmax(-1) == ref_logits.argmax(-1)).all()
+
+
+def test_int8_activations_on_int4_experts_stay_within_one_percent_of_the_dequantised_oracle(real_width):
+    """w4a8 at the real width: each layer, fed the oracle's input rows, against transformers on the weights
+    the stage holds; its attention stays unquantised (quantised attention inputs changed a 975B layer's
+    expert choices), and its activations are really quantised (not equal to int4's f32-input layers)."""
+    settings = preset("w4a8")
+    assert (settings.expert_weights, settings.attention_weights, settings.activation_quant_group) == ("int4", "f32", 32)
+    model = load_oracle(real_width)
+    dequantised_oracle(model, load_stage(real_width, 0, LAYERS), settings)
+    ref_layers, ref_logits = layer_outputs(model, IDS)
+    del model
+    gc.collect()
+    for i in range(LAYERS):
+        traces = {}
+        for mode in ("w4a8", "int4"):
+            engine = StageEngine(StageReader(real_width, i, i + 1, preset(mode).stored_forms), preset(mode))
+            engine.open("s")
+            trace: list[np.ndarray] = []
+            inputs = np.array(IDS) if i == 0 else ref_layers[i - 1]
+            result = engine.step([Segment("s", 0, len(IDS))], inputs, trace=trace)
+            traces[mode] = trace[0]
+            del engine
+            gc.collect()
+        assert relative_rms(traces["w4a8"], ref_layers[i]) <= 0.01, f"layer {i}"
+        assert relative_rms(traces["w4a8"], traces["int4"]) > 1e-5, f"layer {i}"
+    assert relative_rms(result.logits, ref_logits) <= 0.01
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

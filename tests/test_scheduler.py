@@ -11,13 +11,13 @@ import pytest
 from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.generate import generate
-from cascadia.engine.grammar import GrammarError, json_grammar, regex_grammar
-from cascadia.engine.sampling import SamplingParams
 from cascadia.engine.settings import EngineSettings
+from cascadia.grammar import GrammarError, json_grammar, regex_grammar
 from cascadia.model.checkpoint import load_stage
 from cascadia.model.config import load_shape
 from cascadia.router.limits import UNREPORTED, FleetLimits, check_request, fleet_limits
 from cascadia.router.scheduler import Frame, Overloaded, Request, Scheduler, SchedulerConfig
+from cascadia.sampling_params import SamplingParams
 
 
 def request(rid: str, length: int, max_tokens: int = 4, stop: frozenset[int] = frozenset()) -> Request:
@@ -442,7 +442,7 @@ def test_a_copy_whose_source_is_gone_or_too_far_ahead_computes_its_prompt_itself
 
 
 def test_common_prefix_agrees_with_a_token_by_token_count():
-    from cascadia.router.scheduler import common_prefix
+    from cascadia.tokens import common_prefix
 
     rng = np.random.default_rng(5)
     for _ in range(300):

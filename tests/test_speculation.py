@@ -444,8 +444,8 @@ def test_a_stalled_redis_does_not_hold_up_the_draft_services_other_calls(redis_s
     wait off the event loop, so that the service keeps answering everything else meanwhile."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from cascadia import tls
     from cascadia.draft.client import DraftClient
+    from cascadia.wire import tls
 
     url, redis_process = redis_server
     address = f"127.0.0.1:{free_port()}"
@@ -595,7 +595,7 @@ def test_router_with_a_draft_service_verifies_drafts_and_keeps_greedy_ids(tiny, 
     fleet = LocalFleet(tiny, 2)
     fleet.start(tmp_path)
     port = free_port()
-    fleet.start_router(port, tmp_path / "router.log", "--max-draft", "5", "--draft", draft_addr)
+    fleet.start_router(port, tmp_path / "router.log", max_draft=5, draft=draft_addr)
 
     async def go():
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -638,7 +638,7 @@ def test_a_draft_model_with_another_tokenizer_proposes_what_the_target_would_say
 
     path = resolve("smollm2-135m")
     codec = TextCodec.from_model(path)
-    drafter = EngineDrafter(path, codec)
+    drafter = EngineDrafter(path, codec, codec)
     target = StageEngine(load_stage(path, 0, load_shape(path).num_layers), EngineSettings())
     if form == "chat":
         context = codec.encode_chat([{"role": "user", "content": "Name the three primary colors."}])
@@ -679,7 +679,7 @@ def test_redis_and_draft_service_faults_never_fail_a_request(tiny, redis_server,
     fleet = LocalFleet(tiny, 2)
     fleet.start(tmp_path)
     port = free_port()
-    fleet.start_router(port, tmp_path / "router.log", "--max-draft", "5", "--draft", draft_addr)
+    fleet.start_router(port, tmp_path / "router.log", max_draft=5, draft=draft_addr)
     restarted: list[subprocess.Popen] = []
 
     async def go():

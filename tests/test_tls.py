@@ -14,17 +14,16 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from cascadia import tls
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.generate import generate
-from cascadia.engine.sampling import SamplingParams
 from cascadia.engine.settings import EngineSettings
 from cascadia.gateway.text import TextCodec
 from cascadia.model.loader import load_shape, load_stage
 from cascadia.router.local import LocalFleet
 from cascadia.router.pipeline import PipelineDriver
 from cascadia.router.scheduler import Request, SchedulerConfig
-from cascadia.wire import pb, rpc
+from cascadia.sampling_params import SamplingParams
+from cascadia.wire import pb, rpc, tls
 from tests.helpers import print_logs
 
 

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from cascadia.engine.grammar import GrammarVocabulary, cfg_grammar, json_grammar
 from cascadia.gateway.text import TextCodec
 from cascadia.gateway.tools import (
     CALL_CLOSE,
@@ -23,6 +22,7 @@ from cascadia.gateway.tools import (
     tool_calls_schema,
     with_tools_in_text,
 )
+from cascadia.grammar import GrammarVocabulary, cfg_grammar, json_grammar
 from cascadia.model.config import load_shape
 
 SPECIAL = (CALL_OPEN, CALL_CLOSE)  # the synthetic tokenizer holds both as tokens

@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from cascadia import defaults
-from cascadia.engine.cpu_isa import AMX_CHOICES
+from cascadia.cpu_isa import AMX_CHOICES
 from cascadia.operator import GROUP, KIND, PLURAL, VERSION
 from cascadia.planner import PRESET_CONFIGS
 
-PRECISIONS = ["f32", "bf16", "f16", "int8", "int4", "w8a8"]  # the engine's presets, without importing the engine
+PRECISIONS = list(defaults.PRECISIONS)
 WEIGHT_FORMATS = ["f32", "f16", "int8", "int4"]
 QUANTITY = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"

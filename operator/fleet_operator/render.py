@@ -8,10 +8,11 @@ from typing import Any
 
 from kubernetes.utils import parse_quantity
 
-from cascadia.engine.cpu_isa import AMX_VARIABLE
+from cascadia.cpu_isa import AMX_VARIABLE
 from cascadia.operator import GROUP, KIND, VERSION
 from cascadia.operator.spec import FleetSpec
 from cascadia.planner import FleetPlan, StagePlan
+from cascadia.role_args import ConvertArgs, DraftArgs, GatewayArgs, RouterArgs, ShardArgs
 
 SHARD_PORT = 7000
 ROUTER_PORT = 50051
@@ -183,24 +184,17 @@ def shard_statefulset(fleet: Fleet, plan: FleetPlan, stage: int) -> dict[str, An
     spec = fleet.spec
     placed = plan.stages[stage]
     last = stage + 1 == len(plan.stages)
-    hop = (
-        ["--reply-to", f"{fleet.name}-router.{fleet.namespace}.svc:{COLLECT_PORT}"]
-        if last
-        else ["--next", shard_address(fleet, stage + 1)]
-    )
     model_path = spec.get("model", "path")
     converted = converted_stage_path(fleet, placed)
-    layers = f"{placed.start_layer}:{placed.end_layer}"
-    convert_args = [
-        "convert", "--model", model_path, "--out", converted, "--layers", layers,
-        "--precision", spec.get("precision", "mode"), "--device", spec.get("device"),
-    ]  # fmt: skip
-    args = [
-        "shard", "--model", converted, "--layers", layers,
-        "--listen", f"0.0.0.0:{SHARD_PORT}", "--stage", str(stage), "--precision", spec.get("precision", "mode"),
-        "--device", spec.get("device"), "--context", str(spec.get("serving", "contextBudget")),
-        "--streams", str(spec.get("serving", "maxStreams")), *hop,
-    ]  # fmt: skip
+    layers = (placed.start_layer, placed.end_layer)
+    precision, device = spec.get("precision", "mode"), spec.get("device")
+    convert_args = ConvertArgs(model_path, converted, layers, precision, device).to_argv()
+    args = ShardArgs(
+        converted, layers, f"0.0.0.0:{SHARD_PORT}", stage, precision, device,
+        context=spec.get("serving", "contextBudget"), streams=spec.get("serving", "maxStreams"),
+        next=None if last else shard_address(fleet, stage + 1),
+        reply_to=f"{fleet.name}-router.{fleet.namespace}.svc:{COLLECT_PORT}" if last else None,
+    ).to_argv()  # fmt: skip
     device = spec.get("nodes", "deviceResource")
     # the plan's total is what the shard holds: requested and enforced, as a memory cgroup enforces it
     memory = str(placed.total_bytes)
@@ -306,22 +300,15 @@ def router_children(fleet: Fleet, plan: FleetPlan) -> list[dict[str, Any]]:
     spec = fleet.spec
     serving = spec.get("serving")
     name = f"{fleet.name}-router"
-    args = [
-        "router", "--listen", f"0.0.0.0:{ROUTER_PORT}",
-        "--stages", ",".join(shard_address(fleet, i) for i in range(len(plan.stages))),
-        "--collect", f"0.0.0.0:{COLLECT_PORT}",
-        "--rows-per-group", str(serving["rowsPerGroup"]), "--prefill-window", str(serving["prefillWindow"]),
-        "--max-streams", str(serving["maxStreams"]), "--max-queue", str(serving["maxQueue"]),
-        "--keep-finished", str(serving["keepFinished"]), "--min-shared-prefix", str(serving["minSharedPrefix"]),
-    ]  # fmt: skip
     draft = spec.get("draft")
-    if draft.get("enabled"):
-        args += [
-            "--max-draft",
-            str(draft["maxDraft"]),
-            "--draft",
-            f"{fleet.name}-draft.{fleet.namespace}.svc:{DRAFT_PORT}",
-        ]
+    drafting = draft.get("enabled")
+    args = RouterArgs(
+        f"0.0.0.0:{ROUTER_PORT}", tuple(shard_address(fleet, i) for i in range(len(plan.stages))),
+        f"0.0.0.0:{COLLECT_PORT}", rows_per_group=serving["rowsPerGroup"], prefill_window=serving["prefillWindow"],
+        max_streams=serving["maxStreams"], max_queue=serving["maxQueue"], keep_finished=serving["keepFinished"],
+        min_shared_prefix=serving["minSharedPrefix"], max_draft=draft["maxDraft"] if drafting else None,
+        draft=f"{fleet.name}-draft.{fleet.namespace}.svc:{DRAFT_PORT}" if drafting else None,
+    ).to_argv()  # fmt: skip
     container = _container(
         "router", spec.get("images", "router"), args, spec,
         ports=_tcp([{"name": "api", "containerPort": ROUTER_PORT}, {"name": "collect", "containerPort": COLLECT_PORT}]),
@@ -341,21 +328,20 @@ def gateway_children(fleet: Fleet, plan: FleetPlan) -> list[dict[str, Any]]:
     gateway = spec.get("gateway")
     name = f"{fleet.name}-gateway"
     model_path = spec.get("model", "path")
-    args = [
-        "gateway", "--router", f"{fleet.name}-router.{fleet.namespace}.svc:{ROUTER_PORT}", "--model", model_path,
-        "--host", "0.0.0.0", "--port", "8000", "--max-context", str(spec.get("serving", "contextBudget")),
-        "--max-concurrent-per-key", str(gateway["maxConcurrentPerKey"]),
-    ]  # fmt: skip
     volumes = [_model_volume(spec)]
     mounts = [{"name": "model", "mountPath": model_path, "readOnly": True}]
-    if gateway.get("apiKeySecret"):
-        volumes.append({"name": "api-keys", "secret": {"secretName": gateway["apiKeySecret"]}})
+    keys = gateway.get("apiKeySecret")
+    if keys:
+        volumes.append({"name": "api-keys", "secret": {"secretName": keys}})
         mounts.append({"name": "api-keys", "mountPath": KEYS_MOUNT, "readOnly": True})
-        args += ["--api-keys-file", f"{KEYS_MOUNT}/keys"]
     # stored responses (/v1/responses) in the fleet's Redis, so that any replica continues a conversation
     store = redis_url(fleet)
-    if store:
-        args += ["--redis", store, "--response-ttl", str(gateway["storedResponseTtlSeconds"])]
+    args = GatewayArgs(
+        f"{fleet.name}-router.{fleet.namespace}.svc:{ROUTER_PORT}", model_path, host="0.0.0.0", port=8000,
+        max_context=spec.get("serving", "contextBudget"), max_concurrent_per_key=gateway["maxConcurrentPerKey"],
+        api_keys_file=f"{KEYS_MOUNT}/keys" if keys else None, redis=store,
+        response_ttl=gateway["storedResponseTtlSeconds"] if store else None,
+    ).to_argv()  # fmt: skip
     env = redis_env(fleet)
     probe = {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 10, "timeoutSeconds": 5}
     container = _container(
@@ -391,10 +377,7 @@ def draft_children(fleet: Fleet) -> list[dict[str, Any]]:
     spec = fleet.spec
     draft = spec.get("draft")
     name = f"{fleet.name}-draft"
-    args = [
-        "draft", "--listen", f"0.0.0.0:{DRAFT_PORT}", "--redis", redis_url(fleet),
-        "--trust", str(draft["minSharedAgreement"]),
-    ]  # fmt: skip
+    args = DraftArgs(f"0.0.0.0:{DRAFT_PORT}", redis_url(fleet), draft["minSharedAgreement"]).to_argv()
     env = redis_env(fleet)
     container = _container(
         "draft", spec.get("images", "draft"), args, spec,

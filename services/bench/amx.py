@@ -18,7 +18,7 @@ from typing import Any
 
 from rich.console import Console
 
-from cascadia.engine.cpu_isa import AMX_VARIABLE, ONEDNN_ISA_VARIABLE
+from cascadia.cpu_isa import AMX_VARIABLE, ONEDNN_ISA_VARIABLE
 
 CHOICES = ("on", "off")
 

@@ -16,12 +16,12 @@ import numpy as np
 from rich.console import Console
 
 from cascadia.bench.hop import hop_cost
-from cascadia.engine.sampling import SamplingParams
 from cascadia.model.loader import load_shape
 from cascadia.router.local import LocalFleet
 from cascadia.router.netem import EmulatedNetwork, LinkShape
 from cascadia.router.pipeline import PipelineDriver
 from cascadia.router.scheduler import Request, SchedulerConfig
+from cascadia.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,8 @@ import time
 import grpc
 import numpy as np
 
-from cascadia import tls
 from cascadia.router.netem import EmulatedNetwork, LinkShape
-from cascadia.wire import CHANNEL_OPTIONS, pb, rpc
+from cascadia.wire import CHANNEL_OPTIONS, pb, rpc, tls
 
 
 class FrameSink(rpc.ShardServicer):

@@ -12,7 +12,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from cascadia.engine.cpu_isa import ONEDNN_ISA_VARIABLE, cpu_flags, cpu_model_name, read_cpuinfo
+from cascadia.cpu_isa import ONEDNN_ISA_VARIABLE, cpu_flags, cpu_model_name, read_cpuinfo
 
 SYSFS_CACHE = Path("/sys/devices/system/cpu/cpu0/cache")
 MEASURED_PACKAGES = ("openvino", "torch", "transformers")

@@ -19,15 +19,15 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
-from cascadia.draft import evaluate
+from cascadia.bench import draft_eval as evaluate
 from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.generate import generate
 from cascadia.engine.mtp import MtpDrafter, MtpHead
-from cascadia.engine.sampling import SamplingParams
 from cascadia.engine.settings import EngineSettings
 from cascadia.model.checkpoint import load_mtp
 from cascadia.model.loader import load_shape, load_stage
+from cascadia.sampling_params import SamplingParams
 from cascadia.shard.capture import ConfirmedStream
 
 

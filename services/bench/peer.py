@@ -25,7 +25,7 @@ from rich.console import Console
 from cascadia.bench.fleet import chain_costs
 from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine
-from cascadia.engine.sampling import SamplingParams
+from cascadia.sampling_params import SamplingParams
 
 # Our f32 mode's settings, spelled for GenAI: f32 arithmetic, f32 KV cache, no int8 activations
 GENAI_F32 = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}

@@ -23,7 +23,7 @@ from typing import Any
 from rich.console import Console
 
 from cascadia.bench.turns import KEEP, OPENING
-from cascadia.engine.sampling import SamplingParams
+from cascadia.sampling_params import SamplingParams
 
 CHOICE = {"temperature": 0.8, "top_p": 0.95}  # how each of a question's choices is sampled
 

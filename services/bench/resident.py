@@ -57,8 +57,8 @@ def _child(model: Path, start: int, end: int, map_weights: bool = True) -> dict[
     import numpy as np
     import psutil
 
-    from cascadia.cli import load_engine
     from cascadia.engine.batch import Segment
+    from cascadia.engine.loading import load_engine
     from cascadia.engine.settings import EngineSettings
 
     _load_plugin()

@@ -17,8 +17,8 @@ from typing import Any
 
 from rich.console import Console
 
-from cascadia.engine.grammar import json_grammar
-from cascadia.engine.sampling import SamplingParams
+from cascadia.grammar import json_grammar
+from cascadia.sampling_params import SamplingParams
 
 PASSAGE = (
     "The lighthouse stood on the northern cliff for two hundred years. Every night its keeper climbed "
@@ -209,7 +209,8 @@ def run_spec_bench(config: SpecBenchConfig, console: Console) -> dict[str, Any]:
         from cascadia.draft.proposer import HybridProposer
 
         with console.status(f"loading the draft model {config.draft_model.name}"):
-            proposer = HybridProposer(model=EngineDrafter(config.draft_model, codec))
+            own = TextCodec.from_model(config.draft_model)
+            proposer = HybridProposer(model=EngineDrafter(config.draft_model, codec, own))
     fleet.start(log_dir=config.out)
 
     async def run(driver) -> dict[str, Any]:

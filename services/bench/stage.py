@@ -45,8 +45,8 @@ def _child_serve(model: Path, precision: str, start: int, end: int, rows: list[i
     import numpy as np
 
     from cascadia.bench.measured import _smaps
-    from cascadia.cli import load_engine
     from cascadia.engine.batch import Segment
+    from cascadia.engine.loading import load_engine
     from cascadia.engine.settings import preset
 
     began = time.monotonic()

@@ -14,7 +14,7 @@ from typing import Any
 
 from rich.console import Console
 
-from cascadia.engine.sampling import SamplingParams
+from cascadia.sampling_params import SamplingParams
 
 OPENING = (
     "Here is a passage. The harbour town woke slowly: fishermen mended their nets, gulls argued over "

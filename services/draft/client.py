@@ -1,4 +1,5 @@
-"""How the router reaches a proposer: in-process, or the `cascadia draft` service over gRPC."""
+"""How the router reaches a proposer: in-process, or the `cascadia draft` service over gRPC. Both are the
+router's `cascadia.router.pipeline.Proposer`."""
 
 from __future__ import annotations
 
@@ -6,22 +7,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from typing import Protocol
 
 import grpc
 
-from cascadia import tls
 from cascadia.draft.proposer import HybridProposer
-from cascadia.wire import pb, rpc
+from cascadia.wire import pb, rpc, tls
 
 log = logging.getLogger("cascadia.router")
-
-
-class Proposer(Protocol):
-    async def propose(self, stream: str, context: Sequence[int], k: int) -> tuple[list[int], str]: ...
-    async def observe(self, stream: str, source: str, proposed: int, accepted: int) -> None: ...
-    async def forget(self, stream: str, share: bool) -> None: ...
-    async def close(self) -> None: ...
 
 
 class LocalProposer:

@@ -10,23 +10,32 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
 from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.settings import EngineSettings
-from cascadia.gateway.text import TextCodec
 
 EXTRA_DRAFTED = 2  # draft-model tokens beyond k: re-encoding may need them to make k target tokens
 
 
+class Codec(Protocol):
+    """A model's tokenizer as the drafter uses it (`cascadia.gateway.text.TextCodec`)."""
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]: ...
+    def decode(self, ids: Sequence[int], keep_special: bool = False) -> str: ...
+
+
 class EngineDrafter:
-    def __init__(self, model: Path, target: TextCodec, device: str = "CPU", window: int = 512) -> None:
+    """`codec` is the draft model's tokenizer, `target` the served model's."""
+
+    def __init__(self, model: Path, target: Codec, codec: Codec, device: str = "CPU", window: int = 512) -> None:
         from cascadia.model.loader import load_shape, load_stage
 
         shape = load_shape(model)
-        self.codec = TextCodec.from_model(model)
+        self.codec = codec
         self.target = target
         self.window = window
         self.engine = StageEngine(

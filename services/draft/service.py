@@ -8,9 +8,8 @@ import logging
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from cascadia import tls
 from cascadia.draft.proposer import HybridProposer
-from cascadia.wire import pb, rpc
+from cascadia.wire import pb, rpc, tls
 
 log = logging.getLogger("cascadia.draft")
 MAX_K = 64

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cascadia.engine.state import KV_BLOCK, far_blocks_for, steady_size
+from cascadia.kv_layout import KV_BLOCK, far_blocks_for, steady_size
 
 NEG_INF = np.float32(-np.inf)
 

@@ -25,7 +25,7 @@ import numpy as np
 import openvino as ov
 from openvino.utils.node_factory import NodeFactory
 
-from cascadia.engine import cpu_isa
+from cascadia import cpu_isa
 from cascadia.engine.mapped import cache_root
 from cascadia.engine.settings import EngineSettings
 

@@ -21,7 +21,6 @@ from cascadia.engine import cpu_kernels, graphs, llama_graphs, mapped, stage_gra
 from cascadia.engine.batch import KeyPlan, Segment, StepPlan, check_segments, plan_step
 from cascadia.engine.far_stack import FarStack
 from cascadia.engine.graph_store import BuiltGraphs, GraphStore
-from cascadia.engine.kv_quant import STORAGE, bytes_per_element
 from cascadia.engine.paged import BlockPool, PagedTables, blocks_for, paged_tables
 from cascadia.engine.settings import EngineSettings
 from cascadia.engine.state import (
@@ -38,6 +37,7 @@ from cascadia.engine.state import (
     conv_histories,
     history_slots,
 )
+from cascadia.kv_layout import STORAGE, bytes_per_element
 from cascadia.model.checkpoint import HeldStage, LayerWeights, StageReader, StageWeights
 from cascadia.model.config import AttentionShape
 from cascadia.model.formats import as_float, expert_slice

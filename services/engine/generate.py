@@ -10,8 +10,8 @@ import numpy as np
 
 from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine
-from cascadia.engine.grammar import GrammarVocabulary
 from cascadia.engine.sampling import Sampler, SamplingParams
+from cascadia.grammar import GrammarVocabulary
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,9 @@ import openvino.opset16 as ops
 from openvino.utils.node_factory import NodeFactory
 
 from cascadia.engine import cpu_kernels
-from cascadia.engine.kv_quant import PARAMS
 from cascadia.engine.settings import FUSED_FFN, FfnForm
-from cascadia.engine.state import KV_BLOCK
 from cascadia.engine.weights import Quantized, Weight, WeightFormat, quantize, weight_node
+from cascadia.kv_layout import KV_BLOCK, PARAMS
 from cascadia.model.checkpoint import ExpertWeights, LayerWeights
 from cascadia.model.config import ModelShape
 from cascadia.model.formats import (

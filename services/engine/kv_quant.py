@@ -10,8 +10,6 @@ from __future__ import annotations
 import numpy as np
 
 LEVELS = 255
-PARAMS = 2  # scale, offset
-STORAGE = {"f32": "float32", "f16": "float16", "u8": "uint8"}  # numpy dtype of each KV precision
 
 
 def quantize(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -26,9 +24,3 @@ def quantize(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def dequantize(codes: np.ndarray, params: np.ndarray) -> np.ndarray:
     return codes.astype(np.float32) * params[..., :1] + params[..., 1:]
-
-
-def bytes_per_element(precision: str, head_dim: int) -> float:
-    """Bytes one cached key or value element costs, a u8 row's scale and offset included."""
-    params = PARAMS * 4 / head_dim if precision == "u8" else 0.0
-    return np.dtype(STORAGE[precision]).itemsize + params

@@ -36,8 +36,8 @@ from cascadia.engine.graphs import (
 )
 from cascadia.engine.paged import PAGE
 from cascadia.engine.settings import FUSED_FFN, FfnForm, HeadCompute
-from cascadia.engine.state import KV_BLOCK
 from cascadia.engine.weights import WeightFormat
+from cascadia.kv_layout import KV_BLOCK
 from cascadia.model.config import ModelShape
 from cascadia.model.llama import LlamaLayerWeights
 

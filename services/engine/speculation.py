@@ -14,8 +14,8 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from cascadia.engine.grammar import TokenConstraint
 from cascadia.engine.sampling import SamplingParams, filtered_probabilities
+from cascadia.grammar import TokenConstraint
 
 
 def accept_draft(

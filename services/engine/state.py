@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cascadia.engine.kv_quant import PARAMS, quantize
+from cascadia.engine.kv_quant import quantize
+from cascadia.kv_layout import KV_BLOCK, PARAMS, blocks_for, cache_blocks
 
 
 class BudgetExceeded(RuntimeError):
@@ -201,7 +202,6 @@ class StreamSlots:
                 pool.shrink(used)
 
 
-KV_BLOCK = 128  # positions per block of a global layer's cache
 _cache_serials = itertools.count()
 
 
@@ -218,7 +218,7 @@ class GrowingRows:
         self.limit = limit
         self.serial = next(_cache_serials)  # names this cache to the far stacks, which outlive it
         heads, width = row_shape
-        self.data = np.zeros((_blocks_for(min(initial, limit)), heads, KV_BLOCK, width), dtype=dtype)
+        self.data = np.zeros((blocks_for(min(initial, limit)), heads, KV_BLOCK, width), dtype=dtype)
         self.params = _params_for(self.data)
 
     @property
@@ -259,7 +259,7 @@ class GrowingRows:
     def copy_from(self, other: GrowingRows, rows: int) -> None:
         """Hold `other`'s first `rows` positions (whole blocks: later rows are overwritten as they come)."""
         self.reserve(rows)
-        blocks = _blocks_for(rows)
+        blocks = blocks_for(rows)
         self.data[:blocks] = other.data[:blocks]
         if self.params is not None and other.params is not None:
             self.params[:blocks] = other.params[:blocks]
@@ -293,34 +293,6 @@ class GrowingRows:
     @property
     def nbytes(self) -> int:
         return self.data.nbytes + (0 if self.params is None else self.params.nbytes)
-
-
-def steady_size(count: int, most: int | None = None) -> int:
-    """A count of keys or key blocks rounded up (by at most an eighth, and not beyond `most`) so that a
-    growing history changes a step's input shapes only eight times per doubling.
-
-    The CPU plugin plans and allocates a dynamic model's intermediate tensors again whenever an input
-    shape changes: with a band or far region one key or block longer at every step, that re-planning
-    cost as much as the attention itself. The padding is masked, and costs far less.
-    """
-    if count > 8:
-        step = 1 << (count.bit_length() - 4)
-        count = -(-count // step) * step
-    return count if most is None else min(count, most)
-
-
-def _blocks_for(rows: int) -> int:
-    return max(1, -(-rows // KV_BLOCK))
-
-
-def cache_blocks(limit: int) -> int:
-    """Blocks a global layer's cache holds once a stream has used its whole budget of `limit` positions."""
-    return steady_size(_blocks_for(limit))
-
-
-def far_blocks_for(far_keys: int, block: int = KV_BLOCK) -> int:
-    """Blocks of the far region a step passes when its streams have at most `far_keys` far keys."""
-    return steady_size(max(1, -(-far_keys // block)))
 
 
 Rows = RingRows | GrowingRows

@@ -22,16 +22,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cascadia.engine.grammar import (
-    GrammarError,
-    GrammarVocabulary,
-    cfg_grammar,
-    check_grammar,
-    choice_grammar,
-    json_grammar,
-    regex_grammar,
-)
-from cascadia.engine.sampling import SamplingParams
 from cascadia.gateway.auth import ConcurrencyLimiter, Key, KeyRing
 from cascadia.gateway.choices import Choices, choice_params
 from cascadia.gateway.conversations_routes import add_conversation_routes
@@ -70,6 +60,16 @@ from cascadia.gateway.tools import (
     tool_calls_schema,
 )
 from cascadia.gateway.watch import run_watched, watched_stream
+from cascadia.grammar import (
+    GrammarError,
+    GrammarVocabulary,
+    cfg_grammar,
+    check_grammar,
+    choice_grammar,
+    json_grammar,
+    regex_grammar,
+)
+from cascadia.sampling_params import SamplingParams
 
 log = logging.getLogger("cascadia.gateway")
 

@@ -6,9 +6,9 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
-from cascadia.engine.sampling import SamplingParams
 from cascadia.gateway.generation import Delta, Generation
 from cascadia.gateway.schemas import PromptTokensDetails, Usage
+from cascadia.sampling_params import SamplingParams
 
 _ENDED = object()
 

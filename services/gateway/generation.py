@@ -7,11 +7,11 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from cascadia.engine.sampling import SamplingParams
 from cascadia.gateway.errors import ApiError
 from cascadia.gateway.metrics import GatewayMetrics
 from cascadia.gateway.router_client import RouterClient
 from cascadia.gateway.text import IncrementalDetokenizer, StopMatcher, TextCodec
+from cascadia.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,9 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cascadia import tls
-from cascadia.engine.sampling import SamplingParams
 from cascadia.gateway.errors import ApiError
-from cascadia.wire import pb, rpc, sampling_message
+from cascadia.sampling_params import SamplingParams
+from cascadia.wire import pb, rpc, sampling_message, tls
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from cascadia.gateway.tools import CALL_OPEN, with_tools_in_text
-from cascadia.router.scheduler import common_prefix
+from cascadia.tokens import common_prefix
 
 # Used when a model ships no template: role-tagged turns, then the assistant's cue (tools and calls reach
 # it as text, as for any template without a place for them)

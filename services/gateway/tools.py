@@ -17,7 +17,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from cascadia.engine.grammar import JSON_LAYOUT
+from cascadia.grammar import JSON_LAYOUT
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 CALL_OPEN = "<tool_call>"

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cascadia.engine.grammar import check_grammar
-from cascadia.engine.sampling import SamplingParams
+from cascadia.grammar import check_grammar
+from cascadia.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Any
 from cascadia.model.loader import load_shape
 from cascadia.parent import child_env
 from cascadia.planner import GIB, PlanRequest, plan_fleet
+from cascadia.role_args import DraftArgs, RouterArgs, ShardArgs
 from cascadia.router.netem import EmulatedNetwork
 from cascadia.router.scheduler import SchedulerConfig
 
@@ -95,15 +96,20 @@ class LocalFleet:
         local = {} if self.network is not None else ONE_MACHINE_SCHEDULE
         return SchedulerConfig(**{"stages": self.shards, **local, **overrides})
 
-    def router_options(self) -> list[str]:
-        """`cascadia router` options that give `scheduler_config()`."""
+    def router_args(self, port: int, **extra: object) -> RouterArgs:
+        """`cascadia router` over this fleet's stages, its API on 127.0.0.1:port, with `scheduler_config()`'s
+        settings (`extra`: more `RouterArgs` fields, such as a draft service)."""
         config = self.scheduler_config()
-        return [
-            *("--frames-in-flight", str(config.frames_in_flight)),
-            *("--rows-per-group", str(config.rows_per_group)),
-            *("--prefill-window", str(config.prefill_window)),
-            *("--draft-rows", str(config.draft_rows)),
-        ]
+        return RouterArgs(
+            f"127.0.0.1:{port}",
+            tuple(self.stage_addrs),
+            self.reply_addr,
+            rows_per_group=config.rows_per_group,
+            prefill_window=config.prefill_window,
+            frames_in_flight=config.frames_in_flight,
+            draft_rows=config.draft_rows,
+            **extra,  # type: ignore[arg-type]
+        )
 
     @property
     def reply_addr(self) -> str:
@@ -119,27 +125,27 @@ class LocalFleet:
     def _spawn(self, i: int) -> subprocess.Popen:
         start, end = self._ranges[i]
         last = i + 1 == len(self._ranges)
-        hop = ["--reply-to", self.reply_addr] if last else ["--next", self.stage_addrs[i + 1]]
+        args = ShardArgs(
+            str(self.model),
+            (start, end),
+            self.stage_addrs[i],
+            i,
+            self.precision,
+            context=self.context,
+            next=None if last else self.stage_addrs[i + 1],
+            reply_to=self.reply_addr if last else None,
+            kv_precision=self.kv_precision if self.kv_precision != "f32" else None,
+            mtp_depths=self.mtp_depths if last and self.mtp_depths else None,
+            threads=self.threads or None,
+        )
         cmd = self.network.prefix(i) if self.network is not None else []
-        cmd += [sys.executable, "-m", "cascadia.cli", "shard", "--model", str(self.model)]
-        cmd += ["--layers", f"{start}:{end}", "--listen", self.stage_addrs[i], "--stage", str(i)]
-        cmd += ["--precision", self.precision, *hop]
-        if self.context is not None:
-            cmd += ["--context", str(self.context)]
-        if self.kv_precision != "f32":
-            cmd += ["--kv-precision", self.kv_precision]
-        if last and self.mtp_depths:
-            cmd += ["--mtp-depths", str(self.mtp_depths)]
-        if self.threads:
-            cmd += ["--threads", str(self.threads)]
+        cmd += [sys.executable, "-m", "cascadia.cli", *args.to_argv()]
         out = open(self._log_dir / f"shard-{i}.log", "a") if self._log_dir else subprocess.DEVNULL  # noqa: SIM115
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=child_env())
 
-    def start_router(self, port: int, log: Path | None = None, *options: str) -> subprocess.Popen:
-        """`cascadia router` over this fleet's stages, its API on 127.0.0.1:port."""
-        cmd = [sys.executable, "-m", "cascadia.cli", "router", "--listen", f"127.0.0.1:{port}"]
-        cmd += ["--stages", ",".join(self.stage_addrs), "--collect", self.reply_addr]
-        cmd += [*self.router_options(), *options]
+    def start_router(self, port: int, log: Path | None = None, **extra: object) -> subprocess.Popen:
+        """`cascadia router` as `router_args` gives it."""
+        cmd = [sys.executable, "-m", "cascadia.cli", *self.router_args(port, **extra).to_argv()]
         out = open(log, "w") if log else None  # noqa: SIM115 (the process outlives this call)
         self.router = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=child_env())
         return self.router
@@ -155,9 +161,8 @@ class LocalFleet:
             self.helpers.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             redis_url = f"redis://127.0.0.1:{port}/0"
         address = f"127.0.0.1:{free_port()}"
-        cmd = [sys.executable, "-m", "cascadia.cli", "draft", "--listen", address]
-        cmd += ["--redis", redis_url] if redis_url else []
-        cmd += ["--model", draft_model, "--target", str(self.model)] if draft_model else []
+        args = DraftArgs(address, redis_url, model=draft_model, target=str(self.model) if draft_model else None)
+        cmd = [sys.executable, "-m", "cascadia.cli", *args.to_argv()]
         out = open(log_dir / "draft.log", "w") if log_dir else None  # noqa: SIM115 (the process outlives this call)
         draft = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=child_env())
         self.helpers.append(draft)

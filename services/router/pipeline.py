@@ -12,13 +12,11 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cascadia import tls
-from cascadia.draft.client import Proposer
-from cascadia.engine.sampling import SamplingParams
 from cascadia.frame_stream import FrameStream
 from cascadia.router.limits import UNREPORTED, FleetLimits, check_request, fleet_limits
 from cascadia.router.scheduler import (
@@ -30,12 +28,22 @@ from cascadia.router.scheduler import (
     SchedulerConfig,
     choose_draft,
 )
-from cascadia.wire import CHANNEL_OPTIONS, pb, rpc, sampling_message
+from cascadia.sampling_params import SamplingParams
+from cascadia.wire import CHANNEL_OPTIONS, pb, rpc, sampling_message, tls
 
 log = logging.getLogger("cascadia.router")
 CLOSE_ONLY_FRAME = 2**63  # frames that only free state carry this id and return no tokens
 MTP_SOURCE = "mtp"
 GRAMMAR_SOURCE = "grammar"  # tokens a stream's grammar allows alone, sent by the last stage
+
+
+class Proposer(Protocol):
+    """Where speculative rounds get their drafts (`cascadia.draft.client`: in-process or the draft service)."""
+
+    async def propose(self, stream: str, context: Sequence[int], k: int) -> tuple[list[int], str]: ...
+    async def observe(self, stream: str, source: str, proposed: int, accepted: int) -> None: ...
+    async def forget(self, stream: str, share: bool) -> None: ...
+    async def close(self) -> None: ...
 
 
 class RequestFailed(RuntimeError):

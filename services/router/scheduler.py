@@ -18,7 +18,8 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from cascadia import defaults
-from cascadia.engine.sampling import SamplingParams
+from cascadia.sampling_params import SamplingParams
+from cascadia.tokens import common_prefix
 
 RequestId = str
 
@@ -272,21 +273,6 @@ def next_to_give_way(kept: Mapping[RequestId, Kept], unused_places: int) -> Requ
     """
     unused = [name for name, held in kept.items() if held.prefix and not held.copies]
     return unused[0] if len(unused) > unused_places else next(iter(kept))
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens `a` and `b` share: halving slice comparisons, which run in C."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    same, differs = 0, n
-    while differs - same > 1:
-        middle = (same + differs) // 2
-        if a[same:middle] == b[same:middle]:
-            same = middle
-        else:
-            differs = middle
-    return same
 
 
 def reusable(

@@ -9,10 +9,9 @@ import logging
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from cascadia import tls
 from cascadia.router.pipeline import PipelineDriver
 from cascadia.router.scheduler import Overloaded, Request
-from cascadia.wire import CHANNEL_OPTIONS, pb, rpc, sampling_params
+from cascadia.wire import CHANNEL_OPTIONS, pb, rpc, sampling_params, tls
 
 log = logging.getLogger("cascadia.router")
 

@@ -20,10 +20,8 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from cascadia import tls
 from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine
-from cascadia.engine.grammar import GrammarError, GrammarVocabulary, TokenConstraint
 from cascadia.engine.mtp import MtpDrafter
 from cascadia.engine.sampling import (
     Sampler,
@@ -34,8 +32,9 @@ from cascadia.engine.sampling import (
 )
 from cascadia.engine.speculation import verified_tokens
 from cascadia.frame_stream import FrameStream
+from cascadia.grammar import GrammarError, GrammarVocabulary, TokenConstraint
 from cascadia.shard.capture import CaptureError, CaptureRecorder, CaptureSettings, RecordedBlock, StageInfo
-from cascadia.wire import CHANNEL_OPTIONS, pb, rpc, sampling_params
+from cascadia.wire import CHANNEL_OPTIONS, pb, rpc, sampling_params, tls
 
 log = logging.getLogger("cascadia.shard")
 

@@ -1,17 +1,27 @@
-"""What crosses the wire between roles: the gRPC modules (`pb` messages, `rpc` stubs and servicers), the
-channel options every role uses, and sampling parameters to and from their wire form
+"""What crosses the wire between roles: the gRPC modules (`pb` messages, `rpc` stubs and servicers, generated
+from protos/ when the package is installed, `cascadia.wire.protoc`), the channel options every role uses,
+mutual TLS (`cascadia.wire.tls`), and sampling parameters to and from their wire form
 (`cascadia.v1.Sampling`), one place for both ways.
 
 Roles import these from here, never from each other's services: the router and the gateway load no
-engine (no OpenVINO) for them.
+engine (no OpenVINO) for them. This package imports no role.
 """
 
 from __future__ import annotations
 
-from cascadia.engine.sampling import SamplingParams
-from cascadia.protos import load
+from cascadia.sampling_params import SamplingParams
 
-pb, rpc = load()
+try:
+    from cascadia.wire.generated import fleet_pb2 as pb
+    from cascadia.wire.generated import fleet_pb2_grpc as rpc
+except ImportError as exc:  # a source tree that was never installed
+    raise ImportError(
+        "cascadia's gRPC modules are generated from protos/ when the package is installed: "
+        "run `pip install -e .` (or `make setup`)"
+    ) from exc
+
+__all__ = ["CHANNEL_OPTIONS", "MAX_MESSAGE", "pb", "rpc", "sampling_message", "sampling_params"]
+
 MAX_MESSAGE = 256 * 2**20
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)]
 
