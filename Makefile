@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: setup setup-kube setup-services check run test lint bench format
+.PHONY: setup setup-kube setup-services check run test test-fast lint bench format
 
 setup:
 	# torch 2.13.0 is the CPU build on this disk; a newer one would pull CUDA wheels
@@ -30,8 +30,14 @@ check: setup setup-kube setup-services lint test
 run:
 	$(PYTHON) -m cascadia.cli up --shards 3 --port 8000
 
+# every tier: unit (pure), engine (against transformers), services (one role as a process), fleet (a
+# chain of processes), cluster (the operator against a real API server, the chart, the images)
 test:
 	$(PYTHON) -m pytest -q --durations=20
+
+# the pure tier alone: seconds, no OpenVINO
+test-fast:
+	$(PYTHON) -m pytest -q tests/unit
 
 lint:
 	$(PYTHON) -m ruff check .

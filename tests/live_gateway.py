@@ -19,9 +19,6 @@ import openai
 import pytest
 
 from cascadia.bench.load import wait_until_ready
-from cascadia.engine.engine import StageEngine
-from cascadia.engine.generate import generate
-from cascadia.engine.settings import EngineSettings
 from cascadia.gateway.text import TextCodec
 from cascadia.grammar import GrammarVocabulary
 from cascadia.model.checkpoint import load_stage
@@ -111,12 +108,19 @@ def gateway_process(tiny, live, tmp_path):
 
 @pytest.fixture(scope="module")
 def solo_engine(tiny):
+    # the engine is imported here, not at the top: every test session loads this plugin, and the pure
+    # tier (tests/unit) must not bring OpenVINO in
+    from cascadia.engine.engine import StageEngine
+    from cascadia.engine.settings import EngineSettings
+
     return StageEngine(load_stage(tiny, 0, load_shape(tiny).num_layers), EngineSettings())
 
 
 @pytest.fixture(scope="module")
 def solo(tiny, solo_engine):
     """Token ids the single-process engine generates: what the fleet must reproduce."""
+    from cascadia.engine.generate import generate
+
     engine = solo_engine
     stops = TextCodec.from_directory(tiny).stop_token_ids
     vocabulary = GrammarVocabulary.from_model(tiny, engine.shape.unpadded_vocab_size)

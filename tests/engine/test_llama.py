@@ -508,7 +508,7 @@ def test_tiny_llama_low_precision_modes_match_the_dequantised_oracle(tiny_llama,
         ref = _dequantised_oracle(tiny_llama, settings)(torch.tensor(ids[None])).logits[0].numpy()
     rel = np.sqrt(np.mean((logits - ref) ** 2)) / np.sqrt(np.mean(ref**2))
     # the logits, after every layer: w8a8's input rounding adds up to about 1.1% here (per layer it stays
-    # within 1%, tests/test_engine_numerics.py)
+    # within 1%, tests/engine/test_engine_numerics.py)
     bound = {"bf16": 1e-2, "w8a8": 2e-2}.get(mode, 1e-3)
     assert rel <= bound, f"{mode}: relative rms {rel:.2e}"
 

@@ -19,7 +19,7 @@ from cascadia.engine.settings import EngineSettings, preset
 from cascadia.model.config import load_shape
 from cascadia.model.formats import stored_bytes
 from cascadia.model.loader import load_stage
-from tests.test_cli import cascadia
+from tests.services.test_cli import cascadia
 
 
 def test_each_expert_kernel_is_measured_under_its_own_label(tiny, tmp_path):
@@ -210,7 +210,7 @@ def test_the_device_picks_the_expert_kernel_unless_told():
     assert EngineSettings().ffn_form.compressed_experts == "fused"
     assert EngineSettings(expert_kernel="grouped").ffn_form.compressed_experts == "grouped"
     # int8 banks with int8 activations run on the project's int8 kernel on the CPU (grouped where it
-    # cannot: tests/test_cpu_kernels.py)
+    # cannot: tests/engine/test_cpu_kernels.py)
     assert preset("w8a8").expert_kernel_path == preset("w8a8").ffn_form.compressed_experts == "vnni"
     assert preset("w8a8", device="GPU").ffn_form.compressed_experts == "fused"
     assert preset("w8a8", expert_kernel="fused").ffn_form.compressed_experts == "fused"

@@ -20,7 +20,7 @@ from cascadia.operator.render import Fleet, render
 from cascadia.operator.spec import parse_spec
 from tests.kube_env import find_binaries
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILES = sorted((ROOT / "images").glob("*.Dockerfile"))
 
 
@@ -68,7 +68,7 @@ def test_hadolint_finds_nothing(dockerfile):
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_each_image_installs_its_role_extra_from_a_wheel_that_carries_the_grpc_modules(dockerfile):
     """setup.py generates the gRPC modules when the wheel is built, so the build stage must have it; the
-    runtime installs only the role's extra (tests/test_role_dependencies.py installs each one alone)."""
+    runtime installs only the role's extra (tests/services/test_role_dependencies.py installs each one alone)."""
     steps = instructions(dockerfile)
     role = dockerfile.name.split(".")[0]
     copied = " ".join(arg for op, arg in steps if op == "COPY")

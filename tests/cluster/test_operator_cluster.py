@@ -21,7 +21,7 @@ from tests.kube_env import OPERATOR_NAMESPACE, KubeEnv, find_binaries
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts/cascadia"
 EXAMPLE = ROOT / "examples/inklingfleet.yaml"
 NODES = [f"pc-{i:02d}" for i in range(1, 12)]

@@ -17,7 +17,7 @@ from packaging.utils import canonicalize_name
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 # what each role's command imports on its way to serving, and the command

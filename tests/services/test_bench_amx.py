@@ -8,7 +8,7 @@ import pytest
 
 from cascadia.bench.amx import engine_rates, paired_rates
 from cascadia.cpu_isa import BELOW_AMX
-from tests.test_cli import cascadia
+from tests.services.test_cli import cascadia
 
 
 def test_each_point_is_read_from_an_engine_bench():

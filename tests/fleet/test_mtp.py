@@ -434,7 +434,7 @@ def test_eval_draft_scores_every_source_on_a_captured_fleet(
 
     from cascadia.router.local import LocalFleet, free_port
     from cascadia.shard.capture import confirmed_streams, read_capture
-    from tests.test_capture import _run_requests
+    from tests.fleet.test_capture import _run_requests
 
     url, _ = redis_server
     fleet = LocalFleet(mtp_model, 2, mtp_depths=DEPTHS)

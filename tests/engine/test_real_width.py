@@ -28,8 +28,8 @@ from cascadia.engine.weights import packed_store
 from cascadia.model.checkpoint import StageReader, TensorSource, load_stage
 from cascadia.model.synthetic_real import write_real_width
 from cascadia.sampling_params import SamplingParams
+from tests.engine.test_engine_numerics import run_prompt
 from tests.oracle import dequantised_oracle, greedy, layer_outputs, load_oracle, relative_rms
-from tests.test_engine_numerics import run_prompt
 
 pytestmark = pytest.mark.slow
 

@@ -14,8 +14,8 @@ from cascadia.engine.settings import FfnForm, preset
 from cascadia.engine.weights import quantize
 from cascadia.model.checkpoint import ExpertWeights, load_stage
 from cascadia.model.config import load_shape
+from tests.engine.test_engine_numerics import PROMPTS, run_prompt
 from tests.oracle import relative_rms
-from tests.test_engine_numerics import PROMPTS, run_prompt
 
 needs_vnni = pytest.mark.skipif(not cpu_kernels.cpu_runs_vnni(), reason="the CPU has no AVX-512 VNNI")
 

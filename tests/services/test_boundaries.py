@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LIGHT_ROLES = [
     "cascadia.router.service",
     "cascadia.gateway.server",

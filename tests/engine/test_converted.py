@@ -41,7 +41,7 @@ def test_a_converted_model_serves_the_checkpoint_s_ids_in_one_process_and_across
 def test_the_engine_from_a_converted_stage_computes_the_same_logits(tiny, tmp_path):
     from cascadia.engine.engine import StageEngine
     from cascadia.model.checkpoint import StageReader
-    from tests.test_engine_numerics import run_prompt
+    from tests.engine.test_engine_numerics import run_prompt
 
     settings = preset("int4")
     converted.convert(tiny, tmp_path / "c", settings, "int4", 0, 5)

@@ -23,6 +23,7 @@ from cascadia.gateway.tools import CALL_CLOSE, CALL_OPEN, markup_grammar, split_
 from cascadia.grammar import cfg_grammar, choice_grammar, json_grammar, regex_grammar
 from cascadia.router.local import free_port
 from cascadia.router.scheduler import common_prefix
+from tests.engine.test_grammar import SCHEMA, conforms
 from tests.helpers import next_token_log_probs, with_tokenizer_config
 from tests.live_gateway import (
     KEYS,
@@ -33,7 +34,6 @@ from tests.live_gateway import (
     wait_until_active,
     wait_until_free,
 )
-from tests.test_grammar import SCHEMA, conforms
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from cascadia.wire import generated, pb, protoc
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_installed_grpc_modules_are_generated_from_the_protos_as_they_are():
