@@ -92,10 +92,7 @@ class PlanRequest:
     streams_per_step: int | None = None
     context: int = 1024  # global-layer positions per stream
     rewind_slack: int = 32
-    # OpenVINO runtime, activations, buffers and the code pages the process maps, per node: a 975B
-    # layer served at 32 rows held 1.9 GB of anonymous memory and 0.3 GB of mapped code beyond its
-    # weights and KV; under a limit without the code's share its steps slowed by a third (code paged out)
-    runtime_overhead: int = 5 * GIB // 2
+    runtime_overhead: int = 2 * GIB  # OpenVINO runtime, activations, buffers per node
     kv_precision: str = "f32"  # keys and values as cached: f32, f16 or u8
     # the device the shards run on (the fleet's iGPU unless told): its plugin's copy of the weights takes
     # what `stage_plugin_copy_bytes` says
