@@ -3,7 +3,7 @@
 On a Xeon with AMX the plugin runs every bf16 matmul on AMX tiles, which pay off for many rows but
 not for the few rows of a decode step: there the bank's GatherMatmul pads each expert's rows to a
 tile, and in most processes measured it read the weights far slower than the AVX-512 BF16 kernels
-(bf16 at one stream ran 1.45x faster without AMX, docs/benchmarks.md "AMX off for decode"). oneDNN
+(bf16 at one stream ran 1.45x faster without AMX, docs/bench/history/benchmarks-log.md "AMX off for decode"). oneDNN
 takes its instruction-set cap from ONEDNN_MAX_CPU_ISA once per process, when the plugin first asks,
 so the choice is made for the process before any CPU model compiles, not per engine.
 """

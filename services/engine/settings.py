@@ -142,7 +142,7 @@ class EngineSettings:
 
         The iGPU's fused expert kernel ran the slices faster than its plain matmuls; the CPU's
         GatherMatmul is built for sparse selection and runs every slice of every row as its own gemv
-        (3.1x the plain matmuls at 8 rows here, docs/benchmarks.md "Fused expert path"). A sparse
+        (3.1x the plain matmuls at 8 rows here, docs/bench/history/benchmarks-log.md "Fused expert path"). A sparse
         layer's shared experts are such slices too: on the CPU they run as two plain matmuls (their
         stacked gate and up, their joined down projection, each row's routing weights between them),
         which read the weights at the plain matmuls' rate even at one row.
@@ -163,7 +163,7 @@ class EngineSettings:
 
         Experts computed in bf16 keep the fused kernel too: on an AVX-512 BF16 CPU it ran 1.3x the
         grouped bf16 matmuls at one stream of the mini preset and tied them at 32 (0.98x), though
-        grouped prefilled 1.5x as fast (docs/benchmarks.md "bf16 experts inside the stage's graph").
+        grouped prefilled 1.5x as fast (docs/bench/history/benchmarks-log.md "bf16 experts inside the stage's graph").
         """
         if self.expert_weights != "f32":
             return self.compressed_kernel_path
@@ -177,10 +177,10 @@ class EngineSettings:
         """The form of banks whose weights are compressed, by these settings or as read (a GGUF's blocks).
 
         On the CPU the fused kernel decompresses faster than the plain compressed matmuls and stays
-        ahead to about 32 rows (docs/benchmarks.md "Grouped experts"). With int8 activations
+        ahead to about 32 rows (docs/bench/history/benchmarks-log.md "Grouped experts"). With int8 activations
         (`activation_quant_group`) the plain compressed matmuls multiply in int8, and grouped banks ran
         1.34x the fused kernel at 32 streams of the mini preset (0.75x at one stream;
-        docs/benchmarks.md "int8 activations"). The project's own int8 kernel reads each chosen expert
+        docs/bench/history/benchmarks-log.md "int8 activations"). The project's own int8 kernel reads each chosen expert
         once a call without the grouped banks' per-expert nodes, so int8 banks with inputs in its
         groups run on it where the CPU has AVX-512 VNNI (the graph falls back to grouped elsewhere,
         `cascadia.engine.graphs`), and other compressed banks with int8 inputs run grouped. The iGPU

@@ -87,7 +87,7 @@ class LocalFleet:
 
         Shards on loopback share this machine's cores, so running every stage at once only splits the
         batch and makes the stages' threads contend: one frame on the chain at a time, carrying every
-        ready row (docs/benchmarks.md, `cascadia bench peer`: the 3-shard fleet at 8 streams went from
+        ready row (docs/bench/history/benchmarks-log.md, `cascadia bench peer`: the 3-shard fleet at 8 streams went from
         0.34x GenAI to 0.70-0.78x). A lone stream may verify up to 15 drafted tokens: such a frame has no
         other rows to delay, and a long copy gains more from 16-token rounds than the extra rows cost
         (`cascadia bench spec`). Shards behind emulated links stand for separate machines and keep the
