@@ -25,7 +25,8 @@ from rich.console import Console
 
 from cascadia.bench.machine import cache_share, describe, machine_summary
 from cascadia.engine.batch import Segment
-from cascadia.engine.engine import StageEngine, compile_config
+from cascadia.engine.compiled import compile_config
+from cascadia.engine.engine import StageEngine
 from cascadia.engine.settings import EngineSettings, preset
 from cascadia.engine.weights import WeightFormat, stored_bytes
 from cascadia.model.config import ModelShape, load_shape

@@ -24,7 +24,7 @@ import openvino as ov
 
 from cascadia import __version__
 from cascadia.engine import cpu_kernels
-from cascadia.engine.engine import graph_builder
+from cascadia.engine.compiled import graph_builder
 from cascadia.engine.graph_store import ReadGraphs, WrittenGraphs, stage_graph_names
 from cascadia.engine.settings import EngineSettings
 from cascadia.engine.weights import packed_store
@@ -88,10 +88,10 @@ def code_digest(files: tuple[Path, ...] | None = None) -> str:
 
 
 def _graph_code() -> tuple[Path, ...]:
-    from cascadia.engine import engine, graph_store, graphs, stage_graph, weights
+    from cascadia.engine import compiled, graph_store, graphs, stage_graph, weights
     from cascadia.model import checkpoint, formats
 
-    return tuple(Path(m.__file__) for m in (engine, graph_store, graphs, stage_graph, weights, checkpoint, formats))
+    return tuple(Path(m.__file__) for m in (compiled, graph_store, graphs, stage_graph, weights, checkpoint, formats))
 
 
 def _digest(reader: StageReader, precision: str, settings: EngineSettings) -> str:

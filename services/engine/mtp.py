@@ -21,7 +21,8 @@ import openvino as ov
 
 from cascadia.engine import cpu_kernels, graphs, mapped
 from cascadia.engine.batch import Segment
-from cascadia.engine.engine import Progress, StageEngine, _infer, compile_config
+from cascadia.engine.compiled import Progress, compile_config, infer
+from cascadia.engine.engine import StageEngine
 from cascadia.engine.settings import EngineSettings
 from cascadia.model.checkpoint import MtpWeights, StageWeights
 
@@ -110,15 +111,15 @@ class MtpHead:
 
     def run_depth(self, depth: int, segments: Sequence[Segment], prev: np.ndarray, ahead_ids: np.ndarray) -> np.ndarray:
         """Depth `depth` over `segments`: rows' previous states and the ids one step ahead -> raw block outputs."""
-        embedded = _infer(self._embed, {"input_ids": np.asarray(ahead_ids, dtype=np.int32)})["hidden"]
-        block_input = _infer(
+        embedded = infer(self._embed, {"input_ids": np.asarray(ahead_ids, dtype=np.int32)})["hidden"]
+        block_input = infer(
             self._inputs[depth],
             {"prev": np.ascontiguousarray(prev, dtype=np.float32), "embedded": embedded},
         )["block_input"]
         return self.blocks[depth].step(segments, block_input).hidden
 
     def logits(self, raw: np.ndarray) -> np.ndarray:
-        return _infer(self._logits, {"hidden": np.ascontiguousarray(raw, dtype=np.float32)})["logits"]
+        return infer(self._logits, {"hidden": np.ascontiguousarray(raw, dtype=np.float32)})["logits"]
 
 
 class MtpDrafter:

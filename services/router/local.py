@@ -96,20 +96,21 @@ class LocalFleet:
         local = {} if self.network is not None else ONE_MACHINE_SCHEDULE
         return SchedulerConfig(**{"stages": self.shards, **local, **overrides})
 
-    def router_args(self, port: int, **extra: object) -> RouterArgs:
-        """`cascadia router` over this fleet's stages, its API on 127.0.0.1:port, with `scheduler_config()`'s
-        settings (`extra`: more `RouterArgs` fields, such as a draft service)."""
+    def schedule_options(self) -> dict[str, int]:
+        """The `RouterArgs` fields that give `scheduler_config()`."""
         config = self.scheduler_config()
-        return RouterArgs(
-            f"127.0.0.1:{port}",
-            tuple(self.stage_addrs),
-            self.reply_addr,
-            rows_per_group=config.rows_per_group,
-            prefill_window=config.prefill_window,
-            frames_in_flight=config.frames_in_flight,
-            draft_rows=config.draft_rows,
-            **extra,  # type: ignore[arg-type]
-        )
+        return {
+            "rows_per_group": config.rows_per_group,
+            "prefill_window": config.prefill_window,
+            "frames_in_flight": config.frames_in_flight,
+            "draft_rows": config.draft_rows,
+        }
+
+    def router_args(self, port: int, **extra: object) -> RouterArgs:
+        """`cascadia router` over this fleet's stages (once started), its API on 127.0.0.1:port, scheduled
+        as `schedule_options` says (`extra`: more `RouterArgs` fields, such as a draft service)."""
+        fields = {**self.schedule_options(), **extra}
+        return RouterArgs(f"127.0.0.1:{port}", tuple(self.stage_addrs), self.reply_addr, **fields)  # type: ignore[arg-type]
 
     @property
     def reply_addr(self) -> str:

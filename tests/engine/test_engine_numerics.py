@@ -10,7 +10,8 @@ import torch
 
 from cascadia.engine import graphs
 from cascadia.engine.batch import Segment
-from cascadia.engine.engine import StageEngine, compile_config
+from cascadia.engine.compiled import compile_config
+from cascadia.engine.engine import StageEngine
 from cascadia.engine.generate import generate
 from cascadia.engine.settings import EngineSettings, preset
 from cascadia.model.checkpoint import load_stage
@@ -175,7 +176,10 @@ def stepped_together(engine: StageEngine, first: int, rows_in, calls: list[int])
     """Three streams prefilled in windows of different lengths past the global layers' far band, then
     decoding together: every step's per-layer trace (and logits on a last stage). `calls` receives
     how many compiled-model calls each step made."""
-    import cascadia.engine.engine as engine_module
+    from cascadia.engine import compiled, runners
+    from cascadia.engine import engine as engine_module
+
+    calling = (compiled, engine_module, runners)  # every module that calls a compiled model
 
     seqs = {"a": np.resize(PROMPTS["long"], 150), "b": np.resize(PROMPTS["short"], 170), "c": np.arange(3, 140)}
     windows = {"a": 64, "b": 40, "c": 1}
@@ -183,13 +187,14 @@ def stepped_together(engine: StageEngine, first: int, rows_in, calls: list[int])
     for name in seqs:
         engine.open(name)
     traces = []
-    counted = engine_module._infer
+    counted = compiled.infer
 
     def counting(request, inputs, outputs=None):
         calls[-1] += 1
         return counted(request, inputs, outputs)
 
-    engine_module._infer = counting
+    for module in calling:
+        module.infer = counting
     try:
         while any(positions[n] < len(seqs[n]) for n in seqs):
             segments = [
@@ -205,7 +210,8 @@ def stepped_together(engine: StageEngine, first: int, rows_in, calls: list[int])
             for segment in segments:
                 positions[segment.stream] += segment.length
     finally:
-        engine_module._infer = counted
+        for module in calling:
+            module.infer = counted
     for name in seqs:
         engine.close(name)
     return traces

@@ -374,7 +374,7 @@ def test_middle_stage_takes_hidden_rows_and_checks_their_shape(tiny):
 def test_f16_expert_arithmetic_on_the_cpu_is_refused_with_a_reason_or_runs_close_to_f32(tiny):
     # whether the CPU plugin compiles f16 fused experts depends on the processor (AVX2-only parts
     # run the f16 hint in f32; some AVX-512 parts refuse the fused graph): either outcome must be right
-    from cascadia.engine.engine import UnsupportedSettings
+    from cascadia.engine.compiled import UnsupportedSettings
 
     settings = EngineSettings(expert_weights="f16", expert_compute="f16")
     try:

@@ -406,7 +406,7 @@ def test_smollm_dense_layers_compile_to_the_form_asked_for(smollm_engine):
     assert ops.get("GatherMatmul", 0) + ops.get("GatherMatmulCompressed", 0) == 0, ops
     assert ops.get("FullyConnectedCompressed", 0) + ops.get("FullyConnected", 0) == 4 * 30 + 1, ops
     # the first stage's graph embeds the token ids itself: a step is one call
-    assert "input_ids" in {port.get_any_name() for port in smollm_engine._stage_model.inputs}
+    assert "input_ids" in {port.get_any_name() for port in smollm_engine._runner.model.inputs}
     assert smollm_engine._embed is None
     path = resolve(SMOLLM)
     sliced = StageEngine(load_stage(path, 0, load_shape(path).num_layers), EngineSettings(dense_ffn="experts"))

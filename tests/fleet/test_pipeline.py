@@ -614,8 +614,7 @@ def test_a_fleet_on_one_machine_keeps_one_large_frame_on_the_chain(tmp_path):
     assert (config.stages, config.in_flight, config.max_draft) == (3, 1, 3)
     assert config.rows_per_group > 8 and config.prefill_window > 8 and config.draft_room == 16
     assert config.longest_draft == 15  # a lone stream's verify block fills the draft rows
-    options = fleet.router_args(0).to_argv()
-    assert options[options.index("--frames-in-flight") + 1] == "1"
+    assert fleet.schedule_options()["frames_in_flight"] == 1
     fleet.network = object()  # type: ignore[assignment]
     assert fleet.scheduler_config().in_flight == 3
     assert fleet.scheduler_config().rows_per_group == SchedulerConfig(stages=3).rows_per_group
