@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent
 
 
 def _generate(out: Path) -> None:
-    spec = importlib.util.spec_from_file_location("cascadia_protoc", ROOT / "services/wire/protoc.py")
+    spec = importlib.util.spec_from_file_location("cascadia_protoc", ROOT / "services/cascadia/wire/protoc.py")
     protoc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(protoc)
     protoc.generate(ROOT / "protos", out)
@@ -22,7 +22,7 @@ class BuildWithProtos(build_py):
         super().run()
         if self.editable_mode:
             # an editable install imports the package from the source tree (the folder is ignored by git)
-            _generate(ROOT / "services/wire/generated")
+            _generate(ROOT / "services/cascadia/wire/generated")
         else:
             _generate(Path(self.build_lib) / "cascadia/wire/generated")
 

@@ -58,7 +58,7 @@ def test_the_import_contract_holds_and_catches_a_role_importing_another(tmp_path
     config = ROOT / "pyproject.toml"
     assert "importlinter" in tomllib.loads(config.read_text())["tool"]
     copy = tmp_path / "cascadia"
-    shutil.copytree(ROOT / "services", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "services" / "cascadia", copy, ignore=shutil.ignore_patterns("__pycache__"))
     kept = _lint_imports(tmp_path, config)
     assert kept.returncode == 0, kept.stdout[-3000:]
     with (copy / "router" / "scheduler.py").open("a") as f:
