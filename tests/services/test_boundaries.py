@@ -43,7 +43,7 @@ def test_the_shard_does_load_the_engine():
 def _lint_imports(package_parent: Path, config: Path) -> subprocess.CompletedProcess:
     env = {"PYTHONPATH": str(package_parent), "PATH": str(Path(sys.executable).parent)}
     return subprocess.run(
-        [str(Path(sys.executable).parent / "lint-imports"), "--config", str(config), "--no-cache"],
+        [str(Path(sys.executable).parent / "lint-imports"), str(config), "--no-cache"],
         capture_output=True,
         text=True,
         timeout=300,
