@@ -144,48 +144,18 @@ def test_bad_sizes_are_named():
         parse_size("lots")
 
 
+def _plan(*args: str) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "cascadia.cli", "plan", "--preset", "inkling-975b", "--node-memory", "61Gi", *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+
+
 def test_plan_command_prints_json_for_the_975b_preset():
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cascadia.cli",
-            "plan",
-            "--preset",
-            "inkling-975b",
-            "--nodes",
-            "11",
-            "--node-memory",
-            "61Gi",
-            "--layers-per-node",
-            "6",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = _plan("--nodes", "11", "--layers-per-node", "6", "--json")
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert [p["startLayer"] for p in out["plan"]] == list(range(0, 66, 6))
     assert set(out["floorTokensPerS"]) >= {"1", "88", "176"}
-    bad = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cascadia.cli",
-            "plan",
-            "--preset",
-            "inkling-975b",
-            "--nodes",
-            "3",
-            "--node-memory",
-            "61Gi",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    bad = _plan("--nodes", "3")
     assert bad.returncode == 2 and "exceed" in bad.stderr
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from rich.console import Console
 
+from cascadia.bench.report import pyplot, write_report
 from cascadia.cpu_isa import AMX_VARIABLE, ONEDNN_ISA_VARIABLE
 
 CHOICES = ("on", "off")
@@ -101,16 +102,12 @@ def run_amx_bench(config: AmxBenchConfig, console: Console) -> dict[str, Any]:
         "points": points,
     }
     config.out.mkdir(parents=True, exist_ok=True)
-    (config.out / "amx.json").write_text(json.dumps(result, indent=2))
-    plot_amx(result, config.out / "amx.png")
+    write_report(config.out, "amx", result, plot_amx)
     return result
 
 
 def plot_amx(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     points = result["points"]
     names = list(points)

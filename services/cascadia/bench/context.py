@@ -8,7 +8,6 @@ fitted as aN + bN² (least squares), so the quadratic share is visible.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
+from cascadia.bench.report import pyplot, write_report
 from cascadia.engine.batch import Segment
 
 
@@ -107,16 +107,12 @@ def run_context_bench(config: ContextBenchConfig, console: Console) -> dict[str,
     for high in (65536, 16384):
         if 4096 in by_n and high in by_n:
             summary[f"decode_ratio_{high // 1024}k_over_4k"] = by_n[high]["decode_ms"] / by_n[4096]["decode_ms"]
-    (config.out / "context.json").write_text(json.dumps(summary, indent=2) + "\n")
-    _plot(summary, config.out / "context.png")
+    write_report(config.out, "context", summary, _plot)
     return summary
 
 
 def _plot(summary: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = summary["rows"]
     n = np.array([r["prompt_tokens"] for r in rows], dtype=np.float64)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cascadia.bench.report import pyplot
 from cascadia.draft.suffix import SuffixAutomaton
 from cascadia.engine.batch import Segment
 from cascadia.engine.mtp import MtpDrafter, MtpHead
@@ -153,10 +154,7 @@ def shared_proposer(url: str, streams: dict[str, ConfirmedStream], ngram: int = 
 
 
 def plot(summary: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     sources = summary["sources"]
     depths = summary["depths"]

@@ -13,6 +13,8 @@ from typing import Any, TypeVar
 
 from rich.console import Console
 
+from cascadia.bench.report import pyplot
+
 T = TypeVar("T")
 
 
@@ -96,10 +98,7 @@ def chat_fleet_bench(
 @contextmanager
 def panels(path: Path, count: int, title: str) -> Iterator[Any]:
     """A row of `count` plot panels to draw on, saved to `path` under `title` once drawn."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, count, figsize=(5 * count + 1, 4))
     try:

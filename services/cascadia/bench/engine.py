@@ -10,7 +10,6 @@ fall on both sides of every ratio.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import statistics
 import time
@@ -24,6 +23,7 @@ import numpy as np
 from rich.console import Console
 
 from cascadia.bench.machine import cache_share, describe, machine_summary
+from cascadia.bench.report import pyplot, write_report
 from cascadia.engine.batch import Segment
 from cascadia.engine.compiled import compile_config
 from cascadia.engine.engine import StageEngine
@@ -535,16 +535,12 @@ def run_engine_bench(config: EngineBenchConfig, console: Console) -> dict[str, A
         summary["transformers"]["prefill_tokens_per_s"] = first["prefill"]["tokens_per_s"]
     with console.status("dense layer both ways"):
         summary["dense_layer"] = measure_dense_layer(model_dir, shape, config.repeats)
-    (config.out / "engine.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot_engine(summary, config.out / "engine.png")
+    write_report(config.out, "engine", summary, plot_engine)
     return summary
 
 
 def plot_engine(summary: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     breakdowns = op_breakdowns(summary)
     fig, axes = plt.subplots(1, 2 if breakdowns else 1, figsize=(15 if breakdowns else 8, 4.5), squeeze=False)

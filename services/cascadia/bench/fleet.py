@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import statistics
 import time
 from collections.abc import Iterator, Sequence
@@ -16,6 +15,7 @@ import numpy as np
 from rich.console import Console
 
 from cascadia.bench.hop import hop_cost
+from cascadia.bench.report import pyplot, write_report
 from cascadia.model.loader import load_shape
 from cascadia.router.local import LocalFleet
 from cascadia.router.netem import EmulatedNetwork, LinkShape
@@ -180,8 +180,7 @@ def run_fleet_bench(config: FleetBenchConfig, console: Console) -> dict[str, Any
                         _running(LocalFleet(config.model, shards, config.precision), config.out)
                     )
             summary["fleets"] = asyncio.run(_run_fleets(fleets, config, console))
-    (config.out / "fleet.json").write_text(json.dumps(summary, indent=2) + "\n")
-    _plot(summary, config.out / "fleet.png")
+    write_report(config.out, "fleet", summary, _plot)
     return summary
 
 
@@ -195,10 +194,7 @@ def _running(fleet: LocalFleet, log_dir: Path) -> Iterator[LocalFleet]:
 
 
 def _plot(summary: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for shards, results in summary["fleets"].items():

@@ -10,7 +10,6 @@ is not freed shows up as growth across rounds.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import numpy as np
 import psutil
 from rich.console import Console
 
+from cascadia.bench.report import pyplot, write_report
 from cascadia.parent import child_env
 from cascadia.router.local import free_port
 
@@ -205,16 +205,12 @@ def run_load_bench(config: LoadBenchConfig, console: Console) -> dict[str, Any]:
     finally:
         process.terminate()
         process.wait(30)
-    (config.out / "load.json").write_text(json.dumps(results, indent=2))
-    _plot(results, config.out / "load.png")
+    write_report(config.out, "load", results, _plot)
     return results
 
 
 def _plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rounds = results["rounds"]
     fig, (tps, lat) = plt.subplots(1, 2, figsize=(10, 4))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cascadia.bench.report import pyplot
 from cascadia.model.config import ModelShape
 from cascadia.planner import ROW_BYTES_PER_HIDDEN, FleetPlan, PlanRequest, floor_throughput, stage_step_bytes
 
@@ -116,10 +117,7 @@ def run_model(
 
 
 def _plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
     x = [r["streams"] for r in rows]

@@ -9,7 +9,6 @@ weights the agreement is reported, not a goal).
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import numpy as np
 from rich.console import Console
 
 from cascadia.bench import draft_eval as evaluate
+from cascadia.bench.report import pyplot, write_report
 from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine
 from cascadia.engine.generate import generate
@@ -151,16 +151,12 @@ def run_mtp_bench(config: MtpBenchConfig, console: Console) -> dict[str, Any]:
         ],
     }
     config.out.mkdir(parents=True, exist_ok=True)
-    (config.out / "mtp.json").write_text(json.dumps(summary, indent=2) + "\n")
-    _plot(summary, config.out / "mtp.png")
+    write_report(config.out, "mtp", summary, _plot)
     return summary
 
 
 def _plot(summary: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     cost = summary["cost"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ import numpy as np
 from rich.console import Console
 
 from cascadia.bench.fleet import chain_costs
+from cascadia.bench.report import pyplot, write_report
 from cascadia.engine.batch import Segment
 from cascadia.engine.engine import StageEngine
 from cascadia.sampling_params import SamplingParams
@@ -182,8 +182,7 @@ def run_peer_bench(config: PeerBenchConfig, console: Console) -> dict[str, Any]:
         ranges = [(0, shape.num_layers), *(local_ranges(config.model, config.shards) if config.shards else [])]
         summary["resident"] = measure_resident(config.model, ranges, genai=True)
     console.print(f"resident memory (MiB): {summary['resident']}")
-    (config.out / "peer.json").write_text(json.dumps(summary, indent=2) + "\n")
-    _plot(summary, config.out / "peer.png")
+    write_report(config.out, "peer", summary, _plot)
     return summary
 
 
@@ -246,10 +245,7 @@ def _run_fleet(config: PeerBenchConfig, prompt_ids: list[int], console: Console,
 
 
 def _plot(summary: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     results = summary["results"]
     names = list(results)

@@ -8,7 +8,6 @@ machine. Lone streams for the per-request speedup; many concurrent streams for t
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -17,6 +16,7 @@ from typing import Any
 
 from rich.console import Console
 
+from cascadia.bench.report import pyplot, write_report
 from cascadia.grammar import json_grammar
 from cascadia.sampling_params import SamplingParams
 
@@ -232,16 +232,12 @@ def run_spec_bench(config: SpecBenchConfig, console: Console) -> dict[str, Any]:
         "frames_in_flight": scheduler.in_flight,
         **results,
     }
-    (config.out / "spec.json").write_text(json.dumps(summary, indent=2) + "\n")
-    _plot(summary, config.out / "spec.png")
+    write_report(config.out, "spec", summary, _plot)
     return summary
 
 
 def _plot(summary: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     families = list(summary["families"])
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from cascadia.bench.measured import MemoryCgroup, run_measured
+from cascadia.bench.report import pyplot, write_report
 
 GIB = 2**30
 
@@ -213,16 +214,12 @@ def run_stage_bench(config: StageBenchConfig, say) -> dict[str, Any]:
         "read_bandwidth_bytes_per_s": bandwidth,
         "precisions": results,
     }
-    (config.out / "stage.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot_stage(summary, config.out / "stage.png")
+    write_report(config.out, "stage", summary, plot_stage)
     return summary
 
 
 def plot_stage(summary: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     precisions = list(summary["precisions"])
     fig, (memory, speed) = plt.subplots(1, 2, figsize=(11, 4))

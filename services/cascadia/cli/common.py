@@ -137,17 +137,17 @@ def run_until_signal(server) -> None:
     asyncio.run(main_task())
 
 
-def _proposer(draft: str):
+def proposer_for(draft: str):
     from cascadia.draft.client import DraftClient, LocalProposer
 
     return LocalProposer() if draft == "local" else DraftClient(draft)
 
 
-def _interrupt(signum: int, frame: object) -> None:
+def interrupt_on_signal(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def _text_codec(model: Path):
+def text_codec_or_none(model: Path):
     """The model's tokenizer and template, or None for a checkpoint that ships no tokenizer."""
     from cascadia.gateway.text import TextCodec
 

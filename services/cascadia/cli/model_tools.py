@@ -14,8 +14,6 @@ from rich.console import Console
 from cascadia import defaults
 from cascadia.cli.app import MODEL_HELP, KvPrecisionOption, MtpDepthsOption, PrecisionOption, app, model_app
 from cascadia.cli.common import (
-    _proposer,
-    _text_codec,
     check_kv_precision,
     check_precision,
     err,
@@ -23,7 +21,9 @@ from cascadia.cli.common import (
     load_engine,
     parse_layers,
     parse_prompt_ids,
+    proposer_for,
     resolve_model,
+    text_codec_or_none,
 )
 from cascadia.progress import log_line
 
@@ -109,7 +109,7 @@ def generate(
     if speculation not in ("on", "off"):
         raise fail(f"--speculation '{speculation}' is not one of on, off")
     model_dir = resolve_model(model)
-    codec = _text_codec(model_dir)
+    codec = text_codec_or_none(model_dir)
     from cascadia.model.loader import load_shape
 
     try:
@@ -198,7 +198,7 @@ def _generate_on_fleet(
         config = fleet.scheduler_config()
         if speculate:
             config = config.speculating(mtp_draft=mtp_depths)
-        driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, config, proposer=_proposer("local"))
+        driver = PipelineDriver(fleet.stage_addrs, fleet.reply_addr, config, proposer=proposer_for("local"))
         await driver.start()
         try:
             with err.status(f"starting {shards} shards"):

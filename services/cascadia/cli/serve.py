@@ -23,15 +23,15 @@ from cascadia.cli.app import (
     app,
 )
 from cascadia.cli.common import (
-    _interrupt,
-    _proposer,
     check_kv_precision,
     check_precision,
     err,
     fail,
+    interrupt_on_signal,
     load_engine,
     parse_layers,
     progress_bar,
+    proposer_for,
     resolve_model,
     run_until_signal,
 )
@@ -217,7 +217,7 @@ def router(
         keep_finished,
         min_shared_prefix,
     )
-    driver = PipelineDriver(addrs, collect, config, frame_timeout, _proposer(draft) if max_draft else None)
+    driver = PipelineDriver(addrs, collect, config, frame_timeout, proposer_for(draft) if max_draft else None)
 
     run_until_signal(serve(driver, listen))
 
@@ -434,7 +434,7 @@ def up(
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
     # SIGTERM (a service manager, a test) stops the fleet like Ctrl-C: children must not outlive us
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, interrupt_on_signal)
     # the shards hold what the gateway admits: prompt plus generated tokens per stream
     if mtp_depths and speculation == "off":
         raise fail("--mtp-depths drafts for speculative rounds: it needs --speculation on")

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import redis
 
+from cascadia.draft_trust import earned
+
 log = logging.getLogger("cascadia.draft")
 
 
@@ -111,5 +113,4 @@ class RedisContexts:
 
     def trusted(self, source: str) -> bool:
         """A source is trusted during its warm-up (so it can earn agreement) and afterwards at >= trust."""
-        proposed, accepted = self.agreement(source)
-        return proposed < self.warmup or accepted >= self.trust * proposed
+        return earned(*self.agreement(source), self.trust, self.warmup)

@@ -257,41 +257,24 @@ def preset(name: str, device: str = "CPU", **overrides: object) -> EngineSetting
         raise ValueError(f"precision '{name}' is not one of {', '.join(PRECISION_PRESETS)}")
     gpu = device.upper().startswith("GPU")
     low: Compute = "f16" if gpu else "f32"
+
+    def stored(experts: WeightFormat, attention: WeightFormat, head: WeightFormat, **more: object) -> EngineSettings:
+        return EngineSettings(
+            device=device,
+            expert_weights=experts,
+            attention_weights=attention,
+            head_weights=head,
+            expert_compute=low,
+            **more,  # type: ignore[arg-type]
+        )
+
     table: dict[str, EngineSettings] = {
         "f32": EngineSettings(device=device),
         "bf16": EngineSettings(device=device, expert_compute="bf16", head_compute="bf16"),
-        "f16": EngineSettings(
-            device=device,
-            expert_weights="f16",
-            attention_weights="f16",
-            head_weights="f16",
-            expert_compute=low,
-        ),
-        "int8": EngineSettings(
-            device=device,
-            expert_weights="int8",
-            attention_weights="int8",
-            head_weights="int8",
-            expert_compute=low,
-        ),
-        "int4": EngineSettings(
-            device=device,
-            expert_weights="int4",
-            attention_weights="int8",
-            head_weights="int8",
-            expert_compute=low,
-        ),
-        "w8a8": EngineSettings(
-            device=device, expert_weights="int8", head_weights="int8", expert_compute=low, activation_quant_group=32
-        ),
-        "w4a8": EngineSettings(
-            device=device,
-            expert_weights="int4",
-            attention_weights="f16" if gpu else "f32",
-            head_weights="int8",
-            expert_compute=low,
-            activation_quant_group=32,
-            expert_kernel="fused",
-        ),
+        "f16": stored("f16", "f16", "f16"),
+        "int8": stored("int8", "int8", "int8"),
+        "int4": stored("int4", "int8", "int8"),
+        "w8a8": stored("int8", "f32", "int8", activation_quant_group=32),
+        "w4a8": stored("int4", "f16" if gpu else "f32", "int8", activation_quant_group=32, expert_kernel="fused"),
     }
     return replace(table[name], **overrides)  # type: ignore[arg-type]

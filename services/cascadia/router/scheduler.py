@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from cascadia import defaults
+from cascadia.draft_trust import agreement_score, earned
 from cascadia.sampling_params import SamplingParams
 from cascadia.tokens import common_prefix
 
@@ -226,9 +227,9 @@ def choose_draft(
         if not tokens:
             continue
         proposed, accepted = agreement.get(source, (0, 0))
-        if proposed >= warmup and accepted < floor * proposed:
+        if not earned(proposed, accepted, floor, warmup):
             continue
-        score = (accepted + 1) / (proposed + 2)
+        score = agreement_score(proposed, accepted)
         if score > best_score:
             best, best_score = (list(tokens), source), score
     return best
