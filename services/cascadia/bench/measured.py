@@ -20,7 +20,7 @@ CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
 CGROUP_V2 = Path("/sys/fs/cgroup")
 
 
-def _smaps(pid: int) -> dict[str, int]:
+def smaps(pid: int) -> dict[str, int]:
     """The process's resident set in bytes by kind (smaps_rollup: Rss, Anonymous, ...)."""
     out: dict[str, int] = {}
     try:
@@ -125,7 +125,7 @@ def run_measured(argv: list[str], limit: int | None = None, timeout: float = 360
 
         def sample() -> None:
             while not done.is_set():
-                now = _smaps(process.pid)
+                now = smaps(process.pid)
                 peak["anon"] = max(peak["anon"], now.get("Anonymous", 0))
                 peak["rss"] = max(peak["rss"], now.get("Rss", 0))
                 done.wait(sample_s)

@@ -45,7 +45,7 @@ class StageBenchConfig:
 def _child_serve(model: Path, precision: str, start: int, end: int, rows: list[int], steps: int) -> dict[str, Any]:
     import numpy as np
 
-    from cascadia.bench.measured import _smaps
+    from cascadia.bench.measured import smaps
     from cascadia.engine.batch import Segment
     from cascadia.engine.loading import load_engine
     from cascadia.engine.settings import preset
@@ -53,7 +53,7 @@ def _child_serve(model: Path, precision: str, start: int, end: int, rows: list[i
     began = time.monotonic()
     engine = load_engine(model, preset(precision, planned_streams=max(rows)), start, end, precision)
     loaded_s = time.monotonic() - began
-    anon_loaded = _smaps(os.getpid()).get("Anonymous", 0)
+    anon_loaded = smaps(os.getpid()).get("Anonymous", 0)
     out: dict[str, Any] = {"load_s": loaded_s, "anon_loaded_bytes": anon_loaded, "steps": {}}
     width = engine.shape.hidden_size
     rng = np.random.default_rng(0)
@@ -75,8 +75,8 @@ def _child_serve(model: Path, precision: str, start: int, end: int, rows: list[i
             engine.close(name)
         # the first steps allocate the runtime's buffers and repack weights: the later half is the rate
         out["steps"][str(count)] = statistics.median(times[steps // 2 :])
-    out["anon_serving_bytes"] = _smaps(os.getpid()).get("Anonymous", 0)
-    out["rss_serving_bytes"] = _smaps(os.getpid()).get("Rss", 0)
+    out["anon_serving_bytes"] = smaps(os.getpid()).get("Anonymous", 0)
+    out["rss_serving_bytes"] = smaps(os.getpid()).get("Rss", 0)
     return out
 
 

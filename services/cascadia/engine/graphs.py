@@ -43,7 +43,7 @@ def swish(x: Node | ov.Output) -> Node:
     return _OPSET4.create("Swish", [x if isinstance(x, ov.Output) else x.output(0)], {})
 
 
-def _i64(*values: int) -> Node:
+def i64_constant(*values: int) -> Node:
     return ops.constant(np.array(values, dtype=np.int64))
 
 
@@ -51,7 +51,7 @@ def _f32(value: float | np.ndarray) -> Node:
     return ops.constant(np.asarray(value, dtype=np.float32))
 
 
-def _param(name: str, shape: list[int], dtype: str = "f32") -> ov.Node:
+def graph_input(name: str, shape: list[int], dtype: str = "f32") -> ov.Node:
     node = ops.parameter(ov.PartialShape(shape), getattr(ov.Type, dtype), name=name)
     node.output(0).get_tensor().set_names({name})
     return node
@@ -64,16 +64,16 @@ def cached_rows(name: str, shape: list[int], kv_type: str) -> tuple[list[ov.Node
     `{name}_params` [..., 2] (each row's scale and offset, see `kv_quant`) and are widened here.
     """
     if kv_type != "u8":
-        rows = _param(name, shape, kv_type)
+        rows = graph_input(name, shape, kv_type)
         return [rows], rows
-    codes = _param(name, shape, "u8")
-    params = _param(f"{name}_params", [*shape[:-1], PARAMS])
-    scale = ops.slice(params, _i64(0), _i64(1), _i64(1), _i64(-1))
-    offset = ops.slice(params, _i64(1), _i64(2), _i64(1), _i64(-1))
+    codes = graph_input(name, shape, "u8")
+    params = graph_input(f"{name}_params", [*shape[:-1], PARAMS])
+    scale = ops.slice(params, i64_constant(0), i64_constant(1), i64_constant(1), i64_constant(-1))
+    offset = ops.slice(params, i64_constant(1), i64_constant(2), i64_constant(1), i64_constant(-1))
     return [codes, params], ops.add(ops.multiply(ops.convert(codes, "f32"), scale), offset)
 
 
-def _named(node: Node | ov.Output, name: str) -> Node | ov.Output:
+def named_output(node: Node | ov.Output, name: str) -> Node | ov.Output:
     output = node if isinstance(node, ov.Output) else node.output(0)
     output.get_tensor().set_names({name})
     return node
@@ -102,7 +102,7 @@ def far_inputs(
     v_params, far_v = cached_rows(f"far_v{suffix}", [-1, -1, kv_heads, block, head_dim], kv_type)
     params = [*k_params, *v_params]
     if mask is None:
-        mask = _param("far_mask", [-1, -1])
+        mask = graph_input("far_mask", [-1, -1])
         params.append(mask)
     return params, FarKeys(far_k, far_v, mask, block)
 
@@ -140,56 +140,67 @@ def segment_attention(
     groups = q.get_output_partial_shape(0)[1].get_length() // kv_heads
     if past_k is None and far is None:
         raise ValueError("attention needs a cached band, far blocks or both")
-    streams = ops.gather(ops.shape_of(past_k if past_k is not None else far.keys, "i64"), _i64(0), _i64(0))
+    streams = ops.gather(
+        ops.shape_of(past_k if past_k is not None else far.keys, "i64"), i64_constant(0), i64_constant(0)
+    )
 
     def cells(x: Node) -> Node:
         """Rows [T, ...] to cells [S, W, ...]."""
-        gathered = ops.gather(x, cell_rows, _i64(0))
-        rest = ops.slice(ops.shape_of(gathered, "i64"), _i64(1), _i64(2**31), _i64(1), _i64(0))
-        return ops.reshape(gathered, ops.concat([streams, _i64(-1), rest], 0), False)
+        gathered = ops.gather(x, cell_rows, i64_constant(0))
+        rest = ops.slice(
+            ops.shape_of(gathered, "i64"), i64_constant(1), i64_constant(2**31), i64_constant(1), i64_constant(0)
+        )
+        return ops.reshape(gathered, ops.concat([streams, i64_constant(-1), rest], 0), False)
 
     def band_of(cached: Node | None, new: Node) -> Node:
         """[S, 1 + Ln, Hkv, D] cached and [T, Hkv, D] new -> [S, Hkv, 1, Ln + W, D] (the padding slot dropped)."""
         rows = cells(new)
         if cached is not None:
-            rows = ops.concat([ops.slice(as_f32(cached), _i64(1), _i64(2**62), _i64(1), _i64(1)), rows], 1)
-        return ops.unsqueeze(ops.transpose(rows, _i64(0, 2, 1, 3)), _i64(2))
+            rows = ops.concat(
+                [
+                    ops.slice(as_f32(cached), i64_constant(1), i64_constant(2**62), i64_constant(1), i64_constant(1)),
+                    rows,
+                ],
+                1,
+            )
+        return ops.unsqueeze(ops.transpose(rows, i64_constant(0, 2, 1, 3)), i64_constant(2))
 
-    queries = ops.reshape(q, _i64(0, kv_heads, groups, head_dim), True)  # [T, Hkv, G, D]
+    queries = ops.reshape(q, i64_constant(0, kv_heads, groups, head_dim), True)  # [T, Hkv, G, D]
     row_scale = _f32(scale)
     if tau is not None:
-        row_scale = ops.multiply(ops.unsqueeze(tau, _i64(1, 2, 3)), row_scale)  # [T, 1, 1, 1]
-    queries = ops.transpose(cells(ops.multiply(queries, row_scale)), _i64(0, 2, 3, 1, 4))  # [S, Hkv, G, W, D]
+        row_scale = ops.multiply(ops.unsqueeze(tau, i64_constant(1, 2, 3)), row_scale)  # [T, 1, 1, 1]
+    queries = ops.transpose(cells(ops.multiply(queries, row_scale)), i64_constant(0, 2, 3, 1, 4))  # [S, Hkv, G, W, D]
     keys_band, values_band = band_of(past_k, keys_new), band_of(past_v, values_new)
     band = ops.matmul(queries, keys_band, False, True)  # [S, Hkv, G, W, Lb]
     if bias is not None:
         if tau is not None:
-            bias = ops.multiply(bias, ops.unsqueeze(tau, _i64(1, 2)))
-        bias = ops.reshape(bias, _i64(0, kv_heads, groups, -1), True)  # [T, Hkv, G, Lb]
-        band = ops.add(band, ops.transpose(cells(bias), _i64(0, 2, 3, 1, 4)))
-    band = ops.add(band, ops.unsqueeze(cells(key_mask), _i64(1, 2)))
+            bias = ops.multiply(bias, ops.unsqueeze(tau, i64_constant(1, 2)))
+        bias = ops.reshape(bias, i64_constant(0, kv_heads, groups, -1), True)  # [T, Hkv, G, Lb]
+        band = ops.add(band, ops.transpose(cells(bias), i64_constant(0, 2, 3, 1, 4)))
+    band = ops.add(band, ops.unsqueeze(cells(key_mask), i64_constant(1, 2)))
     if far is None:
         context = ops.matmul(ops.softmax(band, -1), values_band, False, False)
     else:
         # scores per block [S, N, Hkv, G, W, B]; blocks and slots are the two reduced axes
-        block_queries = ops.unsqueeze(queries, _i64(1))  # [S, 1, Hkv, G, W, D]
-        keys_far = ops.unsqueeze(as_f32(far.keys), _i64(3))  # [S, N, Hkv, 1, B, D]
-        values_far = ops.unsqueeze(as_f32(far.values), _i64(3))
+        block_queries = ops.unsqueeze(queries, i64_constant(1))  # [S, 1, Hkv, G, W, D]
+        keys_far = ops.unsqueeze(as_f32(far.keys), i64_constant(3))  # [S, N, Hkv, 1, B, D]
+        values_far = ops.unsqueeze(as_f32(far.values), i64_constant(3))
         scores = ops.matmul(block_queries, keys_far, False, True)
-        slot_mask = ops.reshape(far.mask, _i64(0, -1, 1, 1, 1, far.block), True)  # [S, N, 1, 1, 1, B]
+        slot_mask = ops.reshape(far.mask, i64_constant(0, -1, 1, 1, 1, far.block), True)  # [S, N, 1, 1, 1, B]
         far_top = _far_maximum(scores, slot_mask, far.block)  # [S, Hkv, G, W, 1]
-        top = ops.maximum(far_top, ops.reduce_max(band, _i64(-1), True))
-        scores = ops.exp(ops.subtract(ops.add(scores, slot_mask), ops.unsqueeze(top, _i64(1))))
+        top = ops.maximum(far_top, ops.reduce_max(band, i64_constant(-1), True))
+        scores = ops.exp(ops.subtract(ops.add(scores, slot_mask), ops.unsqueeze(top, i64_constant(1))))
         band = ops.exp(ops.subtract(band, top))
         total = ops.add(
-            ops.reduce_sum(ops.reduce_sum(scores, _i64(5), True), _i64(1), False), ops.reduce_sum(band, _i64(-1), True)
+            ops.reduce_sum(ops.reduce_sum(scores, i64_constant(5), True), i64_constant(1), False),
+            ops.reduce_sum(band, i64_constant(-1), True),
         )
-        far_context = ops.reduce_sum(ops.matmul(scores, values_far, False, False), _i64(1), False)
+        far_context = ops.reduce_sum(ops.matmul(scores, values_far, False, False), i64_constant(1), False)
         context = ops.add(far_context, ops.matmul(band, values_band, False, False))
         context = ops.divide(context, total)  # [S, Hkv, G, W, D]
-    context = ops.transpose(context, _i64(0, 3, 1, 2, 4))  # [S, W, Hkv, G, D]
-    context = ops.reshape(context, _i64(-1, kv_heads * groups * head_dim), False)
-    return ops.gather(context, row_cells, _i64(0))
+    context = ops.transpose(context, i64_constant(0, 3, 1, 2, 4))  # [S, W, Hkv, G, D]
+    context = ops.reshape(context, i64_constant(-1, kv_heads * groups * head_dim), False)
+    return ops.gather(context, row_cells, i64_constant(0))
 
 
 def _far_maximum(scores: Node, slot_mask: Node, block: int) -> Node:
@@ -201,19 +212,22 @@ def _far_maximum(scores: Node, slot_mask: Node, block: int) -> Node:
     taken out and masked. The slot mask can then join the subtraction and exp() in one pass over the
     scores instead of a pass of its own.
     """
-    full_block = ops.reduce_min(slot_mask, _i64(5), True)  # [S, N, 1, 1, 1, 1]: 0 when every slot is a far key
-    top = ops.reduce_max(ops.add(ops.reduce_max(scores, _i64(5), True), full_block), _i64(1), False)
+    full_block = ops.reduce_min(slot_mask, i64_constant(5), True)  # [S, N, 1, 1, 1, 1]: 0 when every slot is a far key
+    top = ops.reduce_max(ops.add(ops.reduce_max(scores, i64_constant(5), True), full_block), i64_constant(1), False)
     is_far_key = ops.convert(ops.equal(slot_mask, _f32(0.0)), "i64")
-    far_keys = ops.reshape(ops.reduce_sum(is_far_key, _i64(1, 5), False), _i64(-1, 1), False)  # [S, 1]
-    last = ops.maximum(ops.subtract(ops.divide(ops.add(far_keys, _i64(block - 1)), _i64(block)), _i64(1)), _i64(0))
-    last_scores = ops.gather(scores, last, _i64(1), 1)  # [S, 1, Hkv, G, W, B]
-    last_mask = ops.gather(slot_mask, last, _i64(1), 1)  # [S, 1, 1, 1, 1, B]
-    last_top = ops.reduce_max(ops.add(last_scores, last_mask), _i64(5), True)  # [S, 1, Hkv, G, W, 1]
-    return ops.maximum(top, ops.squeeze(last_top, _i64(1)))
+    far_keys = ops.reshape(ops.reduce_sum(is_far_key, i64_constant(1, 5), False), i64_constant(-1, 1), False)  # [S, 1]
+    last = ops.maximum(
+        ops.subtract(ops.divide(ops.add(far_keys, i64_constant(block - 1)), i64_constant(block)), i64_constant(1)),
+        i64_constant(0),
+    )
+    last_scores = ops.gather(scores, last, i64_constant(1), 1)  # [S, 1, Hkv, G, W, B]
+    last_mask = ops.gather(slot_mask, last, i64_constant(1), 1)  # [S, 1, 1, 1, 1, B]
+    last_top = ops.reduce_max(ops.add(last_scores, last_mask), i64_constant(5), True)  # [S, 1, Hkv, G, W, 1]
+    return ops.maximum(top, ops.squeeze(last_top, i64_constant(1)))
 
 
 def rms_norm(x: Node, weight: np.ndarray, eps: float) -> Node:
-    mean_square = ops.reduce_mean(ops.multiply(x, x), _i64(-1), keep_dims=True)
+    mean_square = ops.reduce_mean(ops.multiply(x, x), i64_constant(-1), keep_dims=True)
     inv = ops.divide(_f32(1.0), ops.sqrt(ops.add(mean_square, _f32(eps))))
     return ops.multiply(ops.multiply(x, inv), _f32(weight))
 
@@ -234,7 +248,7 @@ def stacked_linear(
     if stacked is None:
         return [linear(x, w, fmt, f"{name}.{n}", compute) for n, w in enumerate(weights)]
     sizes = ops.constant(np.array([w.shape[0] for w in weights], dtype=np.int64))
-    return list(ops.variadic_split(linear(x, stacked, fmt, name, compute), _i64(-1), sizes).outputs())
+    return list(ops.variadic_split(linear(x, stacked, fmt, name, compute), i64_constant(-1), sizes).outputs())
 
 
 def short_conv(x: Node, history: Node, index: Node, weight: np.ndarray) -> Node:
@@ -243,9 +257,9 @@ def short_conv(x: Node, history: Node, index: Node, weight: np.ndarray) -> Node:
     x [T, C], history [R, C], index [T, K] into the concatenation, weight [C, K].
     """
     extended = ops.concat([history, x], 0)
-    window = ops.gather(extended, index, _i64(0))  # [T, K, C]
+    window = ops.gather(extended, index, i64_constant(0))  # [T, K, C]
     taps = _f32(np.ascontiguousarray(weight.T))  # [K, C]
-    return ops.add(ops.reduce_sum(ops.multiply(window, taps), _i64(1), keep_dims=False), x)
+    return ops.add(ops.reduce_sum(ops.multiply(window, taps), i64_constant(1), keep_dims=False), x)
 
 
 def attention_graph(
@@ -267,17 +281,17 @@ def attention_graph(
     h, k, d = shape.hidden_size, shape.conv_kernel_size, a.head_dim
     eps = shape.rms_norm_eps
 
-    hidden = _param("hidden", [-1, h])
-    hist_k = _param("conv_hist_k", [-1, a.kv_width])
-    hist_v = _param("conv_hist_v", [-1, a.kv_width])
-    hist_o = _param("conv_hist_o", [-1, h])
-    conv_index = _param("conv_index", [-1, k], "i32")
-    cell_rows = _param("cell_rows", [-1], "i32")
-    row_cells = _param("row_cells", [-1], "i32")
+    hidden = graph_input("hidden", [-1, h])
+    hist_k = graph_input("conv_hist_k", [-1, a.kv_width])
+    hist_v = graph_input("conv_hist_v", [-1, a.kv_width])
+    hist_o = graph_input("conv_hist_o", [-1, h])
+    conv_index = graph_input("conv_index", [-1, k], "i32")
+    cell_rows = graph_input("cell_rows", [-1], "i32")
+    row_cells = graph_input("row_cells", [-1], "i32")
     k_params, past_k = cached_rows("past_k", [-1, -1, a.num_kv_heads, d], kv_type)
     v_params, past_v = cached_rows("past_v", [-1, -1, a.num_kv_heads, d], kv_type)
-    key_mask = _param("key_mask", [-1, -1])
-    key_distance = _param("key_distance", [-1, -1], "i32")
+    key_mask = graph_input("key_mask", [-1, -1])
+    key_distance = graph_input("key_distance", [-1, -1], "i32")
     params = [hidden, hist_k, hist_v, hist_o, conv_index, cell_rows, row_cells, *k_params, *v_params]
     params += [key_mask, key_distance]
     far = None
@@ -289,39 +303,39 @@ def attention_graph(
     # one matmul for the four projections of the normed input: at one row each matmul is a thread hand-off
     projections = [w.q_proj, w.k_proj, w.v_proj, w.r_proj]
     q, k_out, v_out, r = stacked_linear(x, projections, attention_fmt, f"l{i}.qkvr")
-    k_in, v_in = _named(k_out, "k_conv_in"), _named(v_out, "v_conv_in")
+    k_in, v_in = named_output(k_out, "k_conv_in"), named_output(v_out, "v_conv_in")
 
-    q = rms_norm(ops.reshape(q, _i64(-1, a.num_heads, d), False), w.q_norm, eps)  # [T, Hq, D]
-    keys_new = ops.reshape(short_conv(k_in, hist_k, conv_index, w.k_conv), _i64(-1, a.num_kv_heads, d), False)
-    keys_new = _named(rms_norm(keys_new, w.k_norm, eps), "new_k")  # [T, Hkv, D]
-    values_new = _named(
-        ops.reshape(short_conv(v_in, hist_v, conv_index, w.v_conv), _i64(-1, a.num_kv_heads, d), False),
+    q = rms_norm(ops.reshape(q, i64_constant(-1, a.num_heads, d), False), w.q_norm, eps)  # [T, Hq, D]
+    keys_new = ops.reshape(short_conv(k_in, hist_k, conv_index, w.k_conv), i64_constant(-1, a.num_kv_heads, d), False)
+    keys_new = named_output(rms_norm(keys_new, w.k_norm, eps), "new_k")  # [T, Hkv, D]
+    values_new = named_output(
+        ops.reshape(short_conv(v_in, hist_v, conv_index, w.v_conv), i64_constant(-1, a.num_kv_heads, d), False),
         "new_v",
     )
 
     # relative-position bias: one value per (row, head, distance), zero beyond the extent
-    rel = ops.matmul(ops.reshape(r, _i64(-1, a.num_heads, shape.d_rel), False), _f32(w.rel_proj), False, False)
+    rel = ops.matmul(ops.reshape(r, i64_constant(-1, a.num_heads, shape.d_rel), False), _f32(w.rel_proj), False, False)
     clamped = ops.clamp(key_distance, 0, a.rel_extent - 1)
     distance_shape = ops.shape_of(clamped, "i64")
     heads_shape = ops.concat(
         [
-            ops.gather(distance_shape, _i64(0), _i64(0)),
-            _i64(a.num_heads),
-            ops.gather(distance_shape, _i64(1), _i64(0)),
+            ops.gather(distance_shape, i64_constant(0), i64_constant(0)),
+            i64_constant(a.num_heads),
+            ops.gather(distance_shape, i64_constant(1), i64_constant(0)),
         ],
         0,
     )
-    gather_index = ops.broadcast(ops.unsqueeze(clamped, _i64(1)), heads_shape)  # [T, Hq, L]
+    gather_index = ops.broadcast(ops.unsqueeze(clamped, i64_constant(1)), heads_shape)  # [T, Hq, L]
     bias = ops.gather_elements(rel, gather_index, 2)  # [T, Hq, L]
     in_extent = ops.logical_and(
         ops.greater_equal(key_distance, ops.constant(np.int32(0))),
         ops.less(key_distance, ops.constant(np.int32(a.rel_extent))),
     )
-    bias = ops.select(ops.unsqueeze(in_extent, _i64(1)), bias, _f32(0.0))
+    bias = ops.select(ops.unsqueeze(in_extent, i64_constant(1)), bias, _f32(0.0))
 
     tau = None
     if a.kind == "global" and shape.log_scaling_n_floor is not None:
-        query_position = _param("query_position", [-1])
+        query_position = graph_input("query_position", [-1])
         params.append(query_position)
         n_eff = ops.divide(ops.add(query_position, _f32(1.0)), _f32(float(shape.log_scaling_n_floor)))
         tau = ops.add(_f32(1.0), ops.multiply(_f32(shape.log_scaling_alpha), ops.log(ops.maximum(n_eff, _f32(1.0)))))
@@ -331,14 +345,14 @@ def attention_graph(
         q, keys_new, values_new, past_k, past_v, cell_rows, row_cells, key_mask,
         a.num_kv_heads, d, 1.0 / d, bias, tau, far,
     )  # fmt: skip
-    o_in = _named(linear(context, w.o_proj, attention_fmt, f"l{i}.o"), "o_conv_in")
-    residual = _named(ops.add(hidden, short_conv(o_in, hist_o, conv_index, w.attn_conv)), "residual")
-    mlp_input = _named(rms_norm(residual, layer.post_attention_norm, eps), "mlp_input")
+    o_in = named_output(linear(context, w.o_proj, attention_fmt, f"l{i}.o"), "o_conv_in")
+    residual = named_output(ops.add(hidden, short_conv(o_in, hist_o, conv_index, w.attn_conv)), "residual")
+    mlp_input = named_output(rms_norm(residual, layer.post_attention_norm, eps), "mlp_input")
 
     results = [k_in, v_in, o_in, keys_new, values_new]
     index, weight = _routing(shape, layer, mlp_input)
     if expert_fmt is None:
-        results += [residual, mlp_input, _named(index, "expert_index"), _named(weight, "expert_weight")]
+        results += [residual, mlp_input, named_output(index, "expert_index"), named_output(weight, "expert_weight")]
     else:
         params_e, results_e = _expert_block(
             shape, layer, mlp_input, index, weight, residual, conv_index, expert_fmt, ffn=ffn
@@ -356,25 +370,27 @@ def _routing(shape: ModelShape, layer: LayerWeights, x: Node) -> tuple[Node, Nod
     log-sum-exp normalisation is a plain sum) times route_scale and the router's global_scale.
     Dense: every slice with the MLP's global scale.
     """
-    rows = ops.gather(ops.shape_of(x, "i64"), _i64(0), _i64(0))
+    rows = ops.gather(ops.shape_of(x, "i64"), i64_constant(0), i64_constant(0))
     if layer.router is None:
         n = layer.experts.gate.shape[0]
-        shape_tn = ops.concat([rows, _i64(n)], 0)
+        shape_tn = ops.concat([rows, i64_constant(n)], 0)
         index = ops.broadcast(ops.constant(np.arange(n, dtype=np.int32)), shape_tn)
         weight = ops.broadcast(_f32(np.full(n, layer.dense_scale, dtype=np.float32)), shape_tn)
         return index, weight
     e, s, top_k = shape.n_routed_experts, shape.n_shared_experts, shape.num_experts_per_tok
     logits = ops.matmul(x, _f32(layer.router.weight), False, True)  # [T, e + s]
     scores = ops.sigmoid(logits)
-    routed = ops.slice(scores, _i64(0), _i64(e), _i64(1), _i64(1))
-    shared = ops.slice(scores, _i64(e), _i64(e + s), _i64(1), _i64(1))
+    routed = ops.slice(scores, i64_constant(0), i64_constant(e), i64_constant(1), i64_constant(1))
+    shared = ops.slice(scores, i64_constant(e), i64_constant(e + s), i64_constant(1), i64_constant(1))
     choice = ops.add(routed, _f32(layer.router.correction_bias))
     chosen = ops.topk(choice, ops.constant(np.int64(top_k)), 1, "max", "none", "i32").output(1)
     picked = ops.gather_elements(routed, chosen, 1)
     both = ops.concat([picked, shared], 1)
     scale = shape.route_scale * layer.router.global_scale
-    weight = ops.multiply(ops.divide(both, ops.reduce_sum(both, _i64(1), keep_dims=True)), _f32(scale))
-    shared_ids = ops.broadcast(ops.constant(np.arange(e, e + s, dtype=np.int32)), ops.concat([rows, _i64(s)], 0))
+    weight = ops.multiply(ops.divide(both, ops.reduce_sum(both, i64_constant(1), keep_dims=True)), _f32(scale))
+    shared_ids = ops.broadcast(
+        ops.constant(np.arange(e, e + s, dtype=np.int32)), ops.concat([rows, i64_constant(s)], 0)
+    )
     return ops.concat([chosen, shared_ids], 1), weight
 
 
@@ -423,16 +439,18 @@ def _fused_experts(x: Node, index: Node, weight: Node, gate: Node, up: Node, dow
     MoE fusion turns it into a kernel that runs only each row's chosen experts. It computes in `x`'s
     element type (`weight` and the weights alike).
     """
-    flat = ops.reshape(x, _i64(-1, h), False)
-    tiled = ops.reshape(ops.tile(flat, _i64(n, 1)), _i64(n, -1, h), False)  # [E, T, H]
+    flat = ops.reshape(x, i64_constant(-1, h), False)
+    tiled = ops.reshape(ops.tile(flat, i64_constant(n, 1)), i64_constant(n, -1, h), False)  # [E, T, H]
     gated = ops.multiply(swish(ops.matmul(tiled, gate, False, True)), ops.matmul(tiled, up, False, True))
-    expert_out = ops.reshape(ops.matmul(gated, down, False, True), _i64(n, 1, -1, h), False)  # [E, 1, T, H]
-    rows = ops.gather(ops.shape_of(flat, "i64"), _i64(0), _i64(0))
-    dense = ops.broadcast(ops.convert_like(_f32(0.0), x), ops.concat([rows, _i64(n)], 0))
+    expert_out = ops.reshape(ops.matmul(gated, down, False, True), i64_constant(n, 1, -1, h), False)  # [E, 1, T, H]
+    rows = ops.gather(ops.shape_of(flat, "i64"), i64_constant(0), i64_constant(0))
+    dense = ops.broadcast(ops.convert_like(_f32(0.0), x), ops.concat([rows, i64_constant(n)], 0))
     routing = ops.scatter_elements_update(dense, index, weight, ops.constant(np.int64(1)), "none")
-    routing = ops.unsqueeze(ops.reshape(ops.transpose(routing, _i64(1, 0)), _i64(n, 1, -1), False), _i64(3))
-    combined = ops.reduce_sum(ops.multiply(expert_out, routing), _i64(0), keep_dims=False)  # [1, T, H]
-    return ops.reshape(combined, _i64(-1, h), False)
+    routing = ops.unsqueeze(
+        ops.reshape(ops.transpose(routing, i64_constant(1, 0)), i64_constant(n, 1, -1), False), i64_constant(3)
+    )
+    combined = ops.reduce_sum(ops.multiply(expert_out, routing), i64_constant(0), keep_dims=False)  # [1, T, H]
+    return ops.reshape(combined, i64_constant(-1, h), False)
 
 
 def _expert_ranks(flat_ids: Node, n: int) -> tuple[Node, Node]:
@@ -442,10 +460,12 @@ def _expert_ranks(flat_ids: Node, n: int) -> tuple[Node, Node]:
     Cumulative sums over a [P, E] one-hot, where a stable sort of the pairs (a TopK over all of them)
     took 1.4x as long for the whole bank at 512 rows.
     """
-    chose = ops.convert(ops.equal(ops.unsqueeze(flat_ids, _i64(1)), ops.constant(np.arange(n, dtype=np.int32))), "i32")
-    counts = ops.reduce_sum(chose, _i64(0), keep_dims=False)
+    chose = ops.convert(
+        ops.equal(ops.unsqueeze(flat_ids, i64_constant(1)), ops.constant(np.arange(n, dtype=np.int32))), "i32"
+    )
+    counts = ops.reduce_sum(chose, i64_constant(0), keep_dims=False)
     before = ops.cumsum(chose, ops.constant(np.int64(0)), exclusive=True)  # [P, E] earlier pairs per expert
-    rank = ops.reduce_sum(ops.multiply(before, chose), _i64(1), keep_dims=False)
+    rank = ops.reduce_sum(ops.multiply(before, chose), i64_constant(1), keep_dims=False)
     return rank, counts
 
 
@@ -461,21 +481,24 @@ def _grouped_experts(
     matmuls, and each row's outputs are summed back into it with one scatter. With `compute` bf16
     the matmuls take bf16 inputs; the activation, the routing weights and the sum stay in f32.
     """
-    flat_ids = ops.reshape(index, _i64(-1), False)  # [P] expert of each pair, row-major
+    flat_ids = ops.reshape(index, i64_constant(-1), False)  # [P] expert of each pair, row-major
     n = bank.gate.shape[0]
     rank, counts = _expert_ranks(flat_ids, n)
     starts = ops.cumsum(counts, ops.constant(np.int64(0)), exclusive=True)
-    sorted_slot = ops.add(ops.gather(starts, flat_ids, _i64(0)), rank)  # [P] where each pair goes
-    pairs = ops.squeeze(ops.shape_of(flat_ids, "i32"), _i64(0))
+    sorted_slot = ops.add(ops.gather(starts, flat_ids, i64_constant(0)), rank)  # [P] where each pair goes
+    pairs = ops.squeeze(ops.shape_of(flat_ids, "i32"), i64_constant(0))
     pair_range = ops.range(ops.constant(np.int32(0)), pairs, ops.constant(np.int32(1)), "i32")  # [P]
     order = ops.scatter_elements_update(
-        ops.broadcast(ops.constant(np.int32(0)), ops.shape_of(flat_ids, "i64")), sorted_slot, pair_range, _i64(0)
+        ops.broadcast(ops.constant(np.int32(0)), ops.shape_of(flat_ids, "i64")),
+        sorted_slot,
+        pair_range,
+        i64_constant(0),
     )  # [P] the pair at each sorted position
-    per_row = ops.gather(ops.shape_of(index, "i32"), _i64(1), _i64(0))  # [1]
+    per_row = ops.gather(ops.shape_of(index, "i32"), i64_constant(1), i64_constant(0))  # [1]
     rows = ops.divide(order, per_row)  # [P] the row of each sorted pair
 
     def per_expert(pairs_in: Node, weights: list[Weight], part: str) -> Node:
-        blocks = ops.variadic_split(pairs_in, _i64(0), counts)
+        blocks = ops.variadic_split(pairs_in, i64_constant(0), counts)
         outputs = []
         for e in range(n):
             sliced = [expert_slice(w, e) for w in weights]
@@ -489,13 +512,15 @@ def _grouped_experts(
                 outputs.append(ops.concat(parts, 1))
         return ops.concat(outputs, 0)
 
-    gate_up = per_expert(ops.gather(to_compute(x, compute), rows, _i64(0)), [bank.gate, bank.up], "gate_up")  # [P, 2I]
+    gate_up = per_expert(
+        ops.gather(to_compute(x, compute), rows, i64_constant(0)), [bank.gate, bank.up], "gate_up"
+    )  # [P, 2I]
     gated, lifted = ops.split(_as_f32(gate_up, compute), ops.constant(np.int64(1)), 2).outputs()
-    pair_weight = ops.gather(ops.reshape(weight, _i64(-1), False), order, _i64(0))
-    mixed = ops.multiply(ops.multiply(swish(gated), lifted), ops.unsqueeze(pair_weight, _i64(1)))
+    pair_weight = ops.gather(ops.reshape(weight, i64_constant(-1), False), order, i64_constant(0))
+    mixed = ops.multiply(ops.multiply(swish(gated), lifted), ops.unsqueeze(pair_weight, i64_constant(1)))
     outputs = _as_f32(per_expert(to_compute(mixed, compute), [bank.down], "down"), compute)  # [P, H]
     zeros = ops.broadcast(_f32(0.0), ops.shape_of(x, "i64"))
-    return ops.scatter_nd_update(zeros, ops.unsqueeze(rows, _i64(1)), outputs, "sum")
+    return ops.scatter_nd_update(zeros, ops.unsqueeze(rows, i64_constant(1)), outputs, "sum")
 
 
 def _vnni_experts(x: Node, index: Node, weight: Node, bank: ExpertWeights) -> Node:
@@ -567,8 +592,10 @@ def _all_active(
     mixed = ops.multiply(swish(_as_f32(gate_out, compute)), _as_f32(up_out, compute))  # [T, S * I], slice-major
     if slice_weight is not None:
         slices, width = bank.gate.shape[0], bank.gate.shape[1]
-        per_slice = ops.reshape(mixed, _i64(0, slices, width), True)
-        mixed = ops.reshape(ops.multiply(per_slice, ops.unsqueeze(slice_weight, _i64(2))), _i64(0, -1), True)
+        per_slice = ops.reshape(mixed, i64_constant(0, slices, width), True)
+        mixed = ops.reshape(
+            ops.multiply(per_slice, ops.unsqueeze(slice_weight, i64_constant(2))), i64_constant(0, -1), True
+        )
     if scale != 1.0:
         mixed = ops.multiply(mixed, _f32(scale))
     down = join_input_columns(bank.down)
@@ -619,9 +646,9 @@ def _expert_block(
     ):
         # the shared experts every row runs: plain matmuls beside the routed bank
         e, top_k = shape.n_routed_experts, shape.num_experts_per_tok
-        routed_index = ops.slice(index, _i64(0), _i64(top_k), _i64(1), _i64(1))
-        routed_weight = ops.slice(weight, _i64(0), _i64(top_k), _i64(1), _i64(1))
-        shared_weight = ops.slice(weight, _i64(top_k), _i64(2**62), _i64(1), _i64(1))
+        routed_index = ops.slice(index, i64_constant(0), i64_constant(top_k), i64_constant(1), i64_constant(1))
+        routed_weight = ops.slice(weight, i64_constant(0), i64_constant(top_k), i64_constant(1), i64_constant(1))
+        shared_weight = ops.slice(weight, i64_constant(top_k), i64_constant(2**62), i64_constant(1), i64_constant(1))
         routed_bank = ExpertWeights(*(expert_range(w, 0, e) for w in (bank.gate, bank.up, bank.down)))
         if _bank_form(bank, fmt, ffn) == "fused":
             # the fused kernel takes the whole bank, as its index never names a shared expert: a constant of
@@ -634,12 +661,12 @@ def _expert_block(
     else:
         mixed = _expert_bank(x, index, weight, bank, fmt, ffn, i, h)
     if residual is None:
-        return [], [_named(mixed, "expert_out")]
+        return [], [named_output(mixed, "expert_out")]
     if layer.mlp_conv is None:  # Llama-family: the FFN output joins the residual directly
-        return [], [_named(ops.add(residual, mixed), "hidden_out")]
-    hist_m = _param("conv_hist_m", [-1, h])
-    m_in = _named(mixed, "m_conv_in")
-    out = _named(ops.add(residual, short_conv(mixed, hist_m, conv_index, layer.mlp_conv)), "hidden_out")
+        return [], [named_output(ops.add(residual, mixed), "hidden_out")]
+    hist_m = graph_input("conv_hist_m", [-1, h])
+    m_in = named_output(mixed, "m_conv_in")
+    out = named_output(ops.add(residual, short_conv(mixed, hist_m, conv_index, layer.mlp_conv)), "hidden_out")
     return [hist_m], [m_in, out]
 
 
@@ -652,9 +679,9 @@ def expert_graph(
     cannot overflow; `post_graph` undoes it in f32.
     """
     h = shape.hidden_size
-    x = _param("mlp_input", [-1, h])
-    index = _param("expert_index", [-1, -1], "i32")
-    weight = _param("expert_weight", [-1, -1])
+    x = graph_input("mlp_input", [-1, h])
+    index = graph_input("expert_index", [-1, -1], "i32")
+    weight = graph_input("expert_weight", [-1, -1])
     _, results = _expert_block(shape, layer, x, index, weight, None, None, fmt, out_scale, ffn)
     return ov.Model([ops.result(n) for n in results], [x, index, weight], f"layer{layer.index}_experts")
 
@@ -662,15 +689,15 @@ def expert_graph(
 def post_graph(shape: ModelShape, layer: LayerWeights, out_scale: float) -> ov.Model:
     """Undo the experts' power-of-two scale, then the MLP-output conv (if any) and the residual add, in f32."""
     h, k = shape.hidden_size, shape.conv_kernel_size
-    expert_out = _param("expert_out", [-1, h])
-    residual = _param("residual", [-1, h])
-    mixed = _named(ops.multiply(expert_out, _f32(1.0 / out_scale)), "m_conv_in")
+    expert_out = graph_input("expert_out", [-1, h])
+    residual = graph_input("residual", [-1, h])
+    mixed = named_output(ops.multiply(expert_out, _f32(1.0 / out_scale)), "m_conv_in")
     if layer.mlp_conv is None:
-        out = _named(ops.add(residual, mixed), "hidden_out")
+        out = named_output(ops.add(residual, mixed), "hidden_out")
         return ov.Model([ops.result(out)], [expert_out, residual], f"layer{layer.index}_post")
-    hist_m = _param("conv_hist_m", [-1, h])
-    conv_index = _param("conv_index", [-1, k], "i32")
-    out = _named(ops.add(residual, short_conv(mixed, hist_m, conv_index, layer.mlp_conv)), "hidden_out")
+    hist_m = graph_input("conv_hist_m", [-1, h])
+    conv_index = graph_input("conv_index", [-1, k], "i32")
+    out = named_output(ops.add(residual, short_conv(mixed, hist_m, conv_index, layer.mlp_conv)), "hidden_out")
     return ov.Model(
         [ops.result(mixed), ops.result(out)],
         [expert_out, residual, hist_m, conv_index],
@@ -680,13 +707,13 @@ def post_graph(shape: ModelShape, layer: LayerWeights, out_scale: float) -> ov.M
 
 def embed_rows(ids: Node, embed: Weight, embed_norm: np.ndarray | None, eps: float, fmt: WeightFormat) -> Node:
     """Embedding rows of `ids`, normed when the model norms them (Inkling does, Llama does not)."""
-    rows = ops.gather(weight_node(embed, fmt, "embed"), ids, _i64(0))
+    rows = ops.gather(weight_node(embed, fmt, "embed"), ids, i64_constant(0))
     return rows if embed_norm is None else rms_norm(rows, embed_norm, eps)
 
 
 def embed_graph(embed: Weight, embed_norm: np.ndarray | None, eps: float, fmt: WeightFormat) -> ov.Model:
-    ids = _param("input_ids", [-1], "i32")
-    out = _named(embed_rows(ids, embed, embed_norm, eps, fmt), "hidden")
+    ids = graph_input("input_ids", [-1], "i32")
+    out = named_output(embed_rows(ids, embed, embed_norm, eps, fmt), "hidden")
     return ov.Model([ops.result(out)], [ids], "embed")
 
 
@@ -700,9 +727,9 @@ def head_graph(
 ) -> ov.Model:
     """Final norm, division by the muP width multiplier, head, and the slice to the first `vocab` ids
     (default: the unpadded vocabulary). The MTP head's draft logits use it with no norm."""
-    hidden = _param("hidden", [-1, shape.hidden_size])
+    hidden = graph_input("hidden", [-1, shape.hidden_size])
     logits = head_logits(shape, hidden, final_norm, head, fmt, vocab, compute)
-    return ov.Model([ops.result(_named(logits, "logits"))], [hidden], "head")
+    return ov.Model([ops.result(named_output(logits, "logits"))], [hidden], "head")
 
 
 def head_logits(
@@ -745,20 +772,20 @@ def mtp_input_graph(
     `embedded` is the trunk's normed embedding of the token one step ahead.
     """
     h, eps = shape.hidden_size, shape.rms_norm_eps
-    prev = _param("prev", [-1, h])
-    embedded = _param("embedded", [-1, h])
+    prev = graph_input("prev", [-1, h])
+    embedded = graph_input("embedded", [-1, h])
     x = prev if trunk_norm is None else rms_norm(prev, trunk_norm, eps)
     parts = [rms_norm(x, hidden_norm, eps), rms_norm(embedded, embed_norm, eps)]
     if not shape.mtp_hidden_states_first:
         parts.reverse()
     joined = ops.concat(parts, axis=-1)
     out = linear(joined, input_proj, fmt, "input_proj")
-    return ov.Model([ops.result(_named(out, "block_input"))], [prev, embedded], "mtp_input")
+    return ov.Model([ops.result(named_output(out, "block_input"))], [prev, embedded], "mtp_input")
 
 
 def dense_mlp_graph(shape: ModelShape, layer: LayerWeights, dense_ffn: str) -> ov.Model:
     """A dense layer's MLP alone in either form (all-active slices through the fused kernel or plain matmuls)."""
-    x = _param("mlp_input", [-1, shape.hidden_size])
+    x = graph_input("mlp_input", [-1, shape.hidden_size])
     index, weight = _routing(shape, layer, x)
     ffn = FfnForm(dense="matmul" if dense_ffn == "matmul" else "experts", experts="fused")
     _, results = _expert_block(shape, layer, x, index, weight, None, None, "f32", ffn=ffn)

@@ -25,11 +25,11 @@ from cascadia.engine import graphs
 from cascadia.engine.graphs import (
     FarKeys,
     _f32,
-    _i64,
-    _named,
-    _param,
     far_inputs,
+    graph_input,
+    i64_constant,
     linear,
+    named_output,
     rms_norm,
     segment_attention,
     stacked_linear,
@@ -52,8 +52,8 @@ def inverse_frequencies(head_dim: int, theta: float) -> np.ndarray:
 def rotate(x: Node, cos: Node, sin: Node, head_dim: int) -> Node:
     """Rotate-half RoPE on [T, heads, D] with cos/sin [T, 1, D]."""
     half = head_dim // 2
-    first = ops.slice(x, _i64(0), _i64(half), _i64(1), _i64(2))
-    second = ops.slice(x, _i64(half), _i64(head_dim), _i64(1), _i64(2))
+    first = ops.slice(x, i64_constant(0), i64_constant(half), i64_constant(1), i64_constant(2))
+    second = ops.slice(x, i64_constant(half), i64_constant(head_dim), i64_constant(1), i64_constant(2))
     rotated = ops.concat([ops.multiply(second, _f32(-1.0)), first], -1)
     return ops.add(ops.multiply(x, cos), ops.multiply(rotated, sin))
 
@@ -72,13 +72,15 @@ class _Shared:
 
 def _shared_inputs(shape: ModelShape) -> tuple[list[Node], _Shared]:
     d = shape.attention[0].head_dim
-    cell_rows = _param("cell_rows", [-1], "i32")
-    row_cells = _param("row_cells", [-1], "i32")
-    key_mask = _param("key_mask", [-1, -1])
-    far_mask = _param("far_mask", [-1, -1])
-    position = _param("query_position", [-1])
-    angles = ops.multiply(ops.unsqueeze(position, _i64(1)), _f32(inverse_frequencies(d, shape.rope_theta)[None, :]))
-    angles = ops.unsqueeze(ops.concat([angles, angles], -1), _i64(1))  # [T, 1, D]
+    cell_rows = graph_input("cell_rows", [-1], "i32")
+    row_cells = graph_input("row_cells", [-1], "i32")
+    key_mask = graph_input("key_mask", [-1, -1])
+    far_mask = graph_input("far_mask", [-1, -1])
+    position = graph_input("query_position", [-1])
+    angles = ops.multiply(
+        ops.unsqueeze(position, i64_constant(1)), _f32(inverse_frequencies(d, shape.rope_theta)[None, :])
+    )
+    angles = ops.unsqueeze(ops.concat([angles, angles], -1), i64_constant(1))  # [T, 1, D]
     shared = _Shared(cell_rows, row_cells, key_mask, far_mask, ops.cos(angles), ops.sin(angles))
     return [cell_rows, row_cells, key_mask, far_mask, position], shared
 
@@ -101,7 +103,7 @@ def _layer(
 
     x = rms_norm(hidden, layer.input_norm, eps)
     q, k, v = (
-        ops.reshape(p, _i64(-1, heads, d), False)
+        ops.reshape(p, i64_constant(-1, heads, d), False)
         for p, heads in zip(
             stacked_linear(x, [layer.q_proj, layer.k_proj, layer.v_proj], attention_fmt, f"l{i}.qkv"),
             (a.num_heads, a.num_kv_heads, a.num_kv_heads),
@@ -141,13 +143,13 @@ def layer_graph(
     Without `expert_fmt` it ends at the expert graph's inputs (experts at another compute precision).
     """
     a = shape.layer_attention(layer.index)
-    hidden = _param("hidden", [-1, shape.hidden_size])
+    hidden = graph_input("hidden", [-1, shape.hidden_size])
     shared_params, shared = _shared_inputs(shape)
     far_params, far = far_inputs(a.num_kv_heads, a.head_dim, KV_BLOCK, kv_type, mask=shared.far_mask)
     keys, values, rest = _layer(shape, layer, hidden, shared, far, attention_fmt, expert_fmt, ffn)
     names = ["hidden_out"] if expert_fmt is not None else ["residual", "mlp_input", "expert_index", "expert_weight"]
-    results = [_named(keys, "new_k"), _named(values, "new_v")] + [
-        _named(n, m) for n, m in zip(rest, names, strict=True)
+    results = [named_output(keys, "new_k"), named_output(values, "new_v")] + [
+        named_output(n, m) for n, m in zip(rest, names, strict=True)
     ]
     params = [hidden, *far_params, *shared_params]
     return ov.Model([ops.result(n) for n in results], params, f"layer{layer.index}_llama")
@@ -166,7 +168,7 @@ def stage_graph(
     Inputs: `hidden`, the shared tables, and `far_k_{n}` / `far_v_{n}` (the cache's blocks) for the n-th layer;
     outputs: `new_k_{n}`, `new_v_{n}`, each layer's output `layer_out_{n}` and `hidden_out`.
     """
-    hidden = _param("hidden", [-1, shape.hidden_size])
+    hidden = graph_input("hidden", [-1, shape.hidden_size])
     shared_params, shared = _shared_inputs(shape)
     params, results = [hidden, *shared_params], []
     x = hidden
@@ -175,8 +177,12 @@ def stage_graph(
         far_params, far = far_inputs(a.num_kv_heads, a.head_dim, KV_BLOCK, kv_type, f"_{n}", shared.far_mask)
         params += far_params
         keys, values, (x,) = _layer(shape, layer, x, shared, far, attention_fmt, expert_fmt, ffn)
-        results += [_named(keys, f"new_k_{n}"), _named(values, f"new_v_{n}"), _named(x, f"layer_out_{n}")]
-    results.append(_named(ops.convert(x, "f32"), "hidden_out"))
+        results += [
+            named_output(keys, f"new_k_{n}"),
+            named_output(values, f"new_v_{n}"),
+            named_output(x, f"layer_out_{n}"),
+        ]
+    results.append(named_output(ops.convert(x, "f32"), "hidden_out"))
     return ov.Model([ops.result(n) for n in results], params, "stage_llama")
 
 
@@ -199,7 +205,9 @@ class PagedInputs:
         q [T, heads, D], k and v [T, kv_heads, D] (rotated); returns [T, heads * D]. The op also
         stores k and v into the pools at each row's position.
         """
-        flat = [ops.reshape(x, _i64(0, n * head_dim), True) for x, n in ((q, heads), (k, kv_heads), (v, kv_heads))]
+        flat = [
+            ops.reshape(x, i64_constant(0, n * head_dim), True) for x, n in ((q, heads), (k, kv_heads), (v, kv_heads))
+        ]
         scale = _f32(1.0 / np.sqrt(head_dim))
         inputs = [*flat, self.key_cache, self.value_cache, *self.tables, scale, *self.unused[:2], self.max_context_len]
         op = _PagedAttentionExtension([node.output(0) for node in [*inputs, *self.unused[2:]]])
@@ -257,31 +265,33 @@ def paged_stage_graph(
     `logits` of the rows listed in `logit_rows`.
     """
     if embed is None:
-        first = x = _param("hidden", [-1, shape.hidden_size])
+        first = x = graph_input("hidden", [-1, shape.hidden_size])
     else:
-        first = _param("input_ids", [-1], "i32")
+        first = graph_input("input_ids", [-1], "i32")
         x = graphs.embed_rows(first, embed.weight, embed.norm, shape.rms_norm_eps, embed.fmt)
     shared_params, shared = _shared_inputs(shape)
     position = shared_params[-1]
-    tables = tuple(_param(name, [-1], "i32") for name in PAGED_TABLES)
-    max_context_len = _param("max_context_len", [], "i32")
+    tables = tuple(graph_input(name, [-1], "i32") for name in PAGED_TABLES)
+    max_context_len = graph_input("max_context_len", [], "i32")
     unused = _unused_paged_inputs()
     params, results = [first, position, *tables, max_context_len], []
     for n, layer in enumerate(layers):
         a = shape.layer_attention(layer.index)
-        pools = [_param(f"{kv}_cache_{n}", [-1, a.num_kv_heads, PAGE, a.head_dim], kv_type) for kv in ("key", "value")]
+        pools = [
+            graph_input(f"{kv}_cache_{n}", [-1, a.num_kv_heads, PAGE, a.head_dim], kv_type) for kv in ("key", "value")
+        ]
         params += pools
         paged = PagedInputs(pools[0], pools[1], tables, max_context_len, unused)
         _, _, (x,) = _layer(shape, layer, x, shared, paged, attention_fmt, expert_fmt, ffn)
         if layer_outputs:
-            results.append(_named(x, f"layer_out_{n}"))
-    results.append(_named(ops.convert(x, "f32"), "hidden_out"))
+            results.append(named_output(x, f"layer_out_{n}"))
+    results.append(named_output(ops.convert(x, "f32"), "hidden_out"))
     if head is not None:
-        logit_rows = _param("logit_rows", [-1], "i32")
+        logit_rows = graph_input("logit_rows", [-1], "i32")
         params.append(logit_rows)
-        chosen = ops.gather(x, logit_rows, _i64(0))
+        chosen = ops.gather(x, logit_rows, i64_constant(0))
         logits = graphs.head_logits(shape, chosen, head.final_norm, head.weight, head.fmt, compute=head.compute)
-        results.append(_named(logits, "logits"))
+        results.append(named_output(logits, "logits"))
     return ov.Model([ops.result(n) for n in results], params, "stage_llama_paged")
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import openvino as ov
 import openvino.opset16 as ops
 
-from cascadia.engine.graphs import _i64, _param
+from cascadia.engine.graphs import graph_input, i64_constant
 
 # a layer's four convolution histories, and its four convolution inputs, as they lie side by side in
 # its stream rings: the joined model reads the histories from the ring and gives one output per layer
@@ -93,7 +93,7 @@ def join_layers(layers: Sequence[ov.Model], windows: Sequence[int | None]) -> ov
 
     def shared_input(name: str, shape: list[int], dtype: str) -> ov.Node:
         if name not in shared:
-            shared[name] = _param(name, shape, dtype)
+            shared[name] = graph_input(name, shape, dtype)
             params.append(shared[name])
         return shared[name]
 
@@ -105,7 +105,7 @@ def join_layers(layers: Sequence[ov.Model], windows: Sequence[int | None]) -> ov
         if all(name in by_name for name in CONV_HISTORIES):
             cells = shared_input("history_cells", [-1], "i32")
             keep = shared_input("history_keep", [-1, 1], "f32")
-            ring = _param(stage_name("conv_ring", n, window), [-1, -1, _joint_width(by_name)])
+            ring = graph_input(stage_name("conv_ring", n, window), [-1, -1, _joint_width(by_name)])
             params.append(ring)
             _split_histories([by_name[name] for name in CONV_HISTORIES], ops.multiply(_gathered(ring, cells), keep))
             read_from_rings.update(CONV_HISTORIES)
@@ -116,7 +116,7 @@ def join_layers(layers: Sequence[ov.Model], windows: Sequence[int | None]) -> ov
                     band = by_name[name]
                     row = [dim.get_length() for dim in list(band.get_output_partial_shape(0))[2:]]
                     dtype = band.get_output_element_type(0).get_type_name()
-                    ring = _param(stage_name(pool, n, window), [-1, -1, *row], dtype)
+                    ring = graph_input(stage_name(pool, n, window), [-1, -1, *row], dtype)
                     params.append(ring)
                     band.output(0).replace(_gathered(ring, cells).output(0))
                     read_from_rings.add(name)
@@ -160,7 +160,7 @@ def join_layers(layers: Sequence[ov.Model], windows: Sequence[int | None]) -> ov
 def _gathered(ring: ov.Node, cells: ov.Node) -> ov.Node:
     """Rows of a ring pool [slots, capacity, *row] at flat cells [...]: [..., *row]."""
     row = [dim.get_length() for dim in list(ring.get_output_partial_shape(0))[2:]]
-    return ops.gather(ops.reshape(ring, _i64(-1, *row), False), cells, ops.constant(np.int64(0)))
+    return ops.gather(ops.reshape(ring, i64_constant(-1, *row), False), cells, ops.constant(np.int64(0)))
 
 
 def _joint_width(by_name: dict[str, ov.Node]) -> int:
@@ -170,6 +170,6 @@ def _joint_width(by_name: dict[str, ov.Node]) -> int:
 def _split_histories(histories: list[ov.Node], joint: ov.Node) -> None:
     """The four convolution histories read from one joint [R, sum of widths], split in the graph."""
     widths = [history.get_output_partial_shape(0)[1].get_length() for history in histories]
-    parts = ops.variadic_split(joint, ops.constant(np.int64(1)), _i64(*widths))
+    parts = ops.variadic_split(joint, ops.constant(np.int64(1)), i64_constant(*widths))
     for history, part in zip(histories, parts.outputs(), strict=True):
         history.output(0).replace(part)
