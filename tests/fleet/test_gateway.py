@@ -62,6 +62,7 @@ def test_completion_from_token_ids_is_the_single_process_greedy_output(live, sol
     assert choice.finish_reason == ("stop" if ids[-1] in live.codec.stop_token_ids else "length")
     assert choice.logprobs.tokens == [live.codec.token_text(t) for t in ids]
     assert all(lp <= 0 for lp in choice.logprobs.token_logprobs)
+    assert out._request_id.startswith("req_")  # the client reads x-request-id, as from OpenAI's API
 
 
 def test_text_prompts_use_the_checkpoint_tokenizer(live, solo):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import httpx
 import pytest
@@ -83,3 +84,26 @@ def test_a_chat_part_a_text_model_cannot_read_is_refused_by_name(call):
     assert error["param"] == "messages[0].content[1]" and "'image_url'" in error["message"]
     body["messages"][0]["content"] = [question]
     assert call("POST", "/v1/chat/completions", json=body).status_code == 503  # text alone reaches the router
+
+
+def test_every_response_carries_its_own_request_id(call):
+    """As OpenAI's API: refusals before any route (413), unknown routes, errors and answers alike."""
+    seen = [
+        call("GET", "/v1/nothing"),
+        call("POST", "/v1/completions", json={"model": "tiny", "prompt": "x" * 5000}),
+        call("POST", "/v1/completions", json={"model": "tiny", "prompt": [5, 6], "max_tokens": 2}),
+        call("GET", "/v1/models"),
+    ]
+    ids = [response.headers.get("x-request-id", "") for response in seen]
+    assert all(re.fullmatch(r"req_[0-9a-f]{32}", i) for i in ids), ids
+    assert len(set(ids)) == len(ids)
+
+
+def test_a_prompt_that_leaves_the_context_no_room_is_context_length_exceeded(call):
+    """OpenAI's code for it, naming the prompt; a prompt that fits is bounded by max_tokens instead."""
+    response = call("POST", "/v1/completions", json={"model": "tiny", "prompt": [5] * 64, "max_tokens": 1})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["code"] == "context_length_exceeded" and error["param"] == "prompt"
+    response = call("POST", "/v1/completions", json={"model": "tiny", "prompt": [5] * 60, "max_tokens": 8})
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"

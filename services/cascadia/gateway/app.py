@@ -154,6 +154,27 @@ class RequestCounter:
         await self.app(scope, receive, counting_send)
 
 
+class RequestIds:
+    """Gives every response an `x-request-id`, as OpenAI's API does: clients log it, and the openai client
+    shows it as a response's `_request_id` (a plain ASGI middleware, so streams pass through untouched)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        header = (b"x-request-id", f"req_{uuid.uuid4().hex}".encode())
+
+        async def identified_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), header]}
+            await send(message)
+
+        await self.app(scope, receive, identified_send)
+
+
 def _param_name(location: tuple) -> str | None:
     parts = [str(p) for p in location if p != "body"]
     return ".".join(parts) or None
@@ -212,7 +233,14 @@ class Gateway:
         bad = [t for t in ids if t >= cfg.vocab_size]
         if bad:
             raise bad_request(f"Token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size}).", param)
-        if len(ids) > cfg.prompt_limit:
+        if len(ids) >= cfg.max_context:  # the prompt alone leaves no room: OpenAI's code for that
+            raise ApiError(
+                400,
+                f"This model's context (max_context) is {cfg.max_context} tokens; the prompt alone has {len(ids)}.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        if len(ids) > cfg.prompt_limit:  # this gateway's own bound on prompts (max_prompt_tokens)
             raise bad_request(
                 f"The prompt has {len(ids)} tokens; the limit (max_prompt_tokens) is {cfg.prompt_limit}.",
                 param,
@@ -599,6 +627,7 @@ def create_app(
 
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     app.add_middleware(RequestCounter, metrics=metrics)
+    app.add_middleware(RequestIds)  # outermost: refusals before the routes get an id too
 
     errors = error_responses(400, 401, 404, 413, 429, 503)
     both = {200: {"content": {"text/event-stream": {}}}}
