@@ -173,8 +173,8 @@ def layer_weight_bytes(shape: ModelShape, layer: int, request: PlanRequest) -> i
     return total
 
 
-def _int4_params(shape: ModelShape, layer: int, request: PlanRequest) -> int:
-    """Weights of a layer stored as int4 (in groups of 32 with f16 scales)."""
+def _params_stored_as(shape: ModelShape, layer: int, request: PlanRequest, fmt: WeightFormat) -> int:
+    """Weights of a layer's matmuls stored in `fmt`."""
     a = shape.layer_attention(layer)
     h = shape.hidden_size
     attention = a.q_width * h + 2 * a.kv_width * h + a.num_heads * shape.d_rel * h + h * a.q_width
@@ -182,9 +182,13 @@ def _int4_params(shape: ModelShape, layer: int, request: PlanRequest) -> int:
         experts = 3 * shape.intermediate_size * h
     else:
         experts = 3 * (shape.n_routed_experts + shape.n_shared_experts) * shape.moe_intermediate_size * h
-    return (attention if request.attention_weights == "int4" else 0) + (
-        experts if request.expert_weights == "int4" else 0
-    )
+    return (attention if request.attention_weights == fmt else 0) + (experts if request.expert_weights == fmt else 0)
+
+
+# bytes the CPU plugin holds per weight beyond its stored size: int4 scales widened from f16 to f32 (2
+# bytes per group of 32); f16 weights held as f32, twice (8 bytes where 2 are stored: a 2-layer stage at
+# the 975B model's width held 9.5 GB for 2.1 GB of f16 weights, an f32 one 4.4 GB for 4.2 GB)
+CPU_COPY_EXTRA = {"int4": 2 / 32, "f16": 6.0}
 
 
 def stage_plugin_copy_bytes(shape: ModelShape, start: int, end: int, request: PlanRequest) -> int:
@@ -192,17 +196,20 @@ def stage_plugin_copy_bytes(shape: ModelShape, start: int, end: int, request: Pl
 
     Both plugins copy the weights they compute with into memory of their own when they compile (the
     CPU plugin repacks every matmul's and the MoE kernel's weights, measured as the anonymous memory a
-    stage holds; the iGPU plugin uploads them), after which the mapped weight files are not read again
-    and the kernel drops their pages under pressure: the copy takes their place rather than adding to
-    them. On the CPU the copy keeps int4 scales in f32 (two more bytes for every 32 weights); the
-    embedding, a gather, stays mapped.
+    stage holds; the iGPU plugin uploads them), after which the mapped weight files are mostly not read
+    again and the kernel drops their pages under pressure: the copy takes their place rather than adding
+    to them. On the CPU the copy is larger than what is stored for int4 (scales in f32) and f16 (the
+    weights in f32, twice: `CPU_COPY_EXTRA`); the embedding, a gather, stays mapped.
     """
     if not request.device.upper().startswith("CPU"):
         return 0
-    params = sum(_int4_params(shape, i, request) for i in range(start, end))
-    if end == shape.num_layers and request.head_weights == "int4":
-        params += shape.unpadded_vocab_size * shape.hidden_size
-    return 2 * (params // 32)
+    extra = 0.0
+    for fmt, per_weight in CPU_COPY_EXTRA.items():
+        params = sum(_params_stored_as(shape, i, request, fmt) for i in range(start, end))
+        if end == shape.num_layers and request.head_weights == fmt:
+            params += shape.unpadded_vocab_size * shape.hidden_size
+        extra += params * per_weight
+    return round(extra)
 
 
 def _position_bytes(shape: ModelShape, layer: int, request: PlanRequest) -> float:

@@ -232,3 +232,15 @@ def test_a_shard_at_real_width_holds_what_the_plan_says_inside_a_memory_cgroup_o
     starved = serve_measured(real_width, "int4", 0, LAYERS, (8,), 4, limit=plan.weight_bytes // 3)
     assert starved["returncode"] != 0 and starved["cgroup"]["oom_kills"] >= 1
     assert source_bytes(real_width, 0, LAYERS) > plan.weight_bytes
+
+
+def test_an_f16_stage_on_the_cpu_holds_what_the_plan_says_though_the_plugin_widens_its_weights(real_width):
+    """The CPU plugin holds f16 weights as f32, twice: the plan counts that copy, so the stage serves
+    inside a cgroup of the plan (counted at their stored 2 bytes, it held 2.1x the plan)."""
+    plan, _ = stage_plan(real_width, "f16", 0, LAYERS, 8)
+    assert plan.plugin_copy_bytes > 2 * plan.weight_bytes
+    limit = plan.total_bytes if MemoryCgroup.available() else None
+    served = serve_measured(real_width, "f16", 0, LAYERS, (8,), 8, limit=limit)
+    assert served["returncode"] == 0, served.get("stderr")
+    assert served["anon_serving_bytes"] <= 1.10 * plan.total_bytes + 512 * 2**20
+    assert served["anon_serving_bytes"] > plan.weight_bytes + plan.plugin_copy_bytes / 2  # the copy is real
