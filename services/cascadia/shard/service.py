@@ -34,7 +34,7 @@ from cascadia.engine.speculation import verified_tokens
 from cascadia.frame_stream import FrameStream
 from cascadia.grammar import GrammarError, GrammarVocabulary, TokenConstraint
 from cascadia.shard.capture import CaptureError, CaptureRecorder, CaptureSettings, RecordedBlock, StageInfo
-from cascadia.wire import CHANNEL_OPTIONS, pb, rpc, sampling_params, tls
+from cascadia.wire import CHANNEL_OPTIONS, pb, rows_array, rows_mismatch, rows_tensor, rpc, sampling_params, tls
 
 log = logging.getLogger("cascadia.shard")
 
@@ -141,12 +141,9 @@ def check_frame(
     elif rows:
         if mtp_depths and len(frame.token_ids) != rows:
             raise FrameRejected(f"frame {frame.frame_id}: {len(frame.token_ids)} token ids for {rows} rows")
-        shape = tuple(frame.hidden.shape)
-        if shape != (rows, hidden_size) or len(frame.hidden.data) != rows * hidden_size * 4:
-            raise FrameRejected(
-                f"frame {frame.frame_id}: hidden rows of shape {shape} with {len(frame.hidden.data)} bytes, "
-                f"expected ({rows}, {hidden_size}) FP32"
-            )
+        wrong = rows_mismatch(frame.hidden, rows, hidden_size)
+        if wrong is not None:
+            raise FrameRejected(f"frame {frame.frame_id}: {wrong}")
     for stream in frame.closes:  # closing is idempotent: a stage that failed a stream already forgot it
         after.pop(stream, None)
     return after
@@ -379,8 +376,7 @@ class ShardServicer(rpc.ShardServicer):
             if engine.is_first:
                 inputs = np.asarray(frame.token_ids, dtype=np.int64)
             else:
-                rows = int(frame.hidden.shape[0])
-                inputs = np.frombuffer(frame.hidden.data, dtype="<f4").reshape(rows, engine.shape.hidden_size)
+                inputs = rows_array(frame.hidden, engine.shape.hidden_size)
             wanted, offset = [], 0
             for block in frame.rows:
                 offset += block.length
@@ -398,9 +394,7 @@ class ShardServicer(rpc.ShardServicer):
                         for block in frame.rows:
                             drafter.close(block.stream)
             else:
-                hidden = np.ascontiguousarray(step.hidden, dtype="<f4")
-                out.hidden.shape.extend(hidden.shape)
-                out.hidden.data = hidden.tobytes()
+                rows_tensor(step.hidden, into=out.hidden)
             if capture is not None:
                 self._record(capture, frame, inputs, step.hidden, trace or (), result)
         for stream in frame.closes:
