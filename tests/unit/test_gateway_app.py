@@ -11,6 +11,7 @@ import pytest
 from cascadia.gateway.app import GatewayConfig, create_app
 from cascadia.gateway.auth import KeyRing
 from cascadia.gateway.router_client import RouterClient
+from cascadia.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from cascadia.gateway.text import TextCodec
 from cascadia.router.local import free_port
 
@@ -107,3 +108,42 @@ def test_a_prompt_that_leaves_the_context_no_room_is_context_length_exceeded(cal
     response = call("POST", "/v1/completions", json={"model": "tiny", "prompt": [5] * 60, "max_tokens": 8})
     error = response.json()["error"]
     assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
+
+
+HARMLESS = {
+    "metadata": {"team": "search"},
+    "store": False,
+    "safety_identifier": "user-1234",
+    "prompt_cache_key": "tenant-7",
+    "service_tier": "auto",
+}
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_fields_the_spec_gives_both_apis_pass_and_what_cannot_be_honoured_is_refused_by_name(call, path):
+    """One policy for chat and completions, as /v1/responses takes the same fields: accepted (the request
+    reaches the router, absent here: 503), or a 400 naming the field and why."""
+    body = {"model": "tiny", "max_tokens": 2}
+    body |= {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": [5, 6]}
+    extra = {"modalities": ["text"]} if "chat" in path else {"best_of": 1, "suffix": ""}
+    assert call("POST", path, json=body | HARMLESS | extra).status_code == 503
+    streamed = body | {"stream": True, "stream_options": {"include_usage": True, "include_obfuscation": False}}
+    request = (ChatCompletionRequest if "chat" in path else CompletionRequest).model_validate(streamed)
+    assert request.stream_options is not None and request.stream_options.include_usage
+    refused = {"store": True, "service_tier": "premium"}
+    refused |= {"modalities": ["text", "audio"]} if "chat" in path else {"best_of": 3, "suffix": "end."}
+    for name, value in refused.items():
+        response = call("POST", path, json=body | {name: value})
+        assert response.status_code == 400, (name, response.text)
+        assert response.json()["error"]["param"].startswith(name), response.json()
+
+
+def test_responses_take_the_same_fields_and_their_own():
+    from cascadia.gateway.responses_schemas import ResponseRequest
+
+    request = ResponseRequest.model_validate(
+        {"model": "tiny", "input": "hi", **HARMLESS, "store": True, "text": {"verbosity": "low"}}
+    )
+    assert request.service_tier == "auto" and request.text is not None and request.text.verbosity == "low"
+    with pytest.raises(ValueError, match="service_tier"):
+        ResponseRequest.model_validate({"model": "tiny", "input": "hi", "service_tier": "premium"})

@@ -15,14 +15,15 @@ from cascadia.gateway.schemas import (
     MAX_SEED,
     MAX_TOOLS,
     JsonSchemaFormat,
+    Metadata,
     PromptTokensDetails,
+    ServiceTier,
     Strict,
     TokenLogprob,
     ToolName,
     tagged,
 )
 
-MAX_METADATA_PAIRS = 16  # OpenAI's own bounds
 MAX_INPUT_ITEMS = 4096
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -120,16 +121,11 @@ TextFormatChoice = Annotated[TextFormatText | TextFormatJsonObject | TextFormatJ
 
 class TextConfig(Strict):
     format: TextFormatChoice | None = None
+    verbosity: Literal["low", "medium", "high"] | None = Field(None, description="Accepted; it changes nothing.")
 
 
 class ResponseStreamOptions(Strict):
     include_obfuscation: bool | None = Field(None, description="Accepted; events carry no obfuscation padding.")
-
-
-Metadata = Annotated[
-    dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
-    Field(max_length=MAX_METADATA_PAIRS),
-]
 
 
 class ConversationRef(Strict):
@@ -189,6 +185,7 @@ class ResponseRequest(ResponseInput):
     prompt_cache_key: str | None = Field(
         None, description="Accepted: prompts that start alike share state without being told."
     )
+    service_tier: ServiceTier | None = Field(None, description="Accepted; every request is served alike.")
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Extension: same seed and parameters, same tokens.")
     top_k: int | None = Field(
         None, ge=0, le=2**31 - 1, description="Extension: keep only the k most likely tokens; 0 is off."

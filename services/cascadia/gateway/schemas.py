@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 MAX_STOP_STRINGS = 4
 MAX_SEED = 2**63 - 1
@@ -41,8 +41,18 @@ def tagged(known: dict[str, type[BaseModel]], default: str | None = None) -> Any
     return Annotated[Union[tuple(members)], Discriminator(tag)]  # noqa: UP007 (built from a list)
 
 
+MAX_METADATA_PAIRS = 16  # OpenAI's own bounds
+Metadata = Annotated[
+    dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+    Field(max_length=MAX_METADATA_PAIRS),
+]
+# every request is served alike: a tier asked for is accepted, and served as "default"
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority", "fast"]
+
+
 class StreamOptions(Strict):
     include_usage: bool = False
+    include_obfuscation: bool | None = Field(None, description="Accepted; chunks carry no obfuscation padding.")
 
 
 class JsonSchemaFormat(Strict):
@@ -127,6 +137,24 @@ class SamplingFields(Strict):
     structured_outputs: StructuredOutputs | None = Field(
         None, description="Extension (as vLLM's): the text matches a JSON schema, a regex, a choice or a grammar."
     )
+    # what OpenAI's API takes on chat and completions alike, as /v1/responses takes it: accepted, and what
+    # cannot be honoured here refused by name
+    metadata: Metadata | None = Field(None, description="Accepted; completions are not stored here.")
+    store: bool | None = Field(
+        None, description="false or absent: completions are not stored here (responses are: /v1/responses)."
+    )
+    safety_identifier: str | None = Field(None, max_length=64)
+    prompt_cache_key: str | None = Field(
+        None, description="Accepted: prompts that start alike share state without being told."
+    )
+    service_tier: ServiceTier | None = Field(None, description="Accepted; every request is served alike.")
+
+    @field_validator("store")
+    @classmethod
+    def not_stored(cls, store: bool | None) -> bool | None:
+        if store:
+            raise ValueError("stored completions are not served here; /v1/responses stores responses")
+        return store
 
     @property
     def stop_strings(self) -> list[str]:
@@ -151,6 +179,22 @@ class CompletionRequest(SamplingFields):
         description="The prompt's text before the completion's; with logprobs, each prompt token's log-prob given "
         "the ones before it (none for the first).",
     )
+    best_of: int | None = Field(None, ge=0, le=20, description="1 (or absent) only: each choice is its own stream.")
+    suffix: str | None = Field(None, description="Empty (or absent) only: text is not inserted before a suffix.")
+
+    @field_validator("best_of")
+    @classmethod
+    def one_candidate(cls, best_of: int | None) -> int | None:
+        if best_of is not None and best_of > 1:
+            raise ValueError("best_of above 1 is not served; ask for n choices instead")
+        return best_of
+
+    @field_validator("suffix")
+    @classmethod
+    def no_insertion(cls, suffix: str | None) -> str | None:
+        if suffix:
+            raise ValueError("insertion before a suffix is not served")
+        return suffix
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -240,6 +284,7 @@ class ChatCompletionRequest(SamplingFields):
         "or has no place for tools (auto needs that markup: a 400 otherwise).",
     )
     parallel_tool_calls: bool | None = Field(None, description="Several calls in one answer; default true.")
+    modalities: list[Literal["text"]] | None = Field(None, description="Text only.")
 
 
 class PromptTokensDetails(BaseModel):
