@@ -195,7 +195,7 @@ def test_ring_pools_give_back_a_burst_of_streams_once_it_is_over(tiny):
     engine = StageEngine(load_stage(tiny, 0, load_shape(tiny).num_layers), EngineSettings(context=256))
 
     def pool_bytes() -> int:
-        return sum(pool.data.nbytes for rings in engine._rings for pool in rings.pools)
+        return sum(pool.data.nbytes for rings in engine._io.rings for pool in rings.pools)
 
     ids = np.resize(IDS, 40)
     engine.open("alone")
@@ -272,7 +272,7 @@ def test_ring_pools_sized_for_planned_streams_hold_one_slot_each_until_more_open
     held = []
     for n in range(6):
         engine.open(f"s{n}")
-        held.append(max(pool.slots for rings in engine._rings for pool in rings.pools))
+        held.append(max(pool.slots for rings in engine._io.rings for pool in rings.pools))
     assert held == [1, 2, 4, 4, 5, 10]
 
 

@@ -131,8 +131,7 @@ class StageEngine:
         self._has_global = any(layer.attention.window is None for layer in self._layers)
         self._streams: dict[Hashable, StreamState] = {}
         rings = [] if self._pool is not None else [self._layer_rings(layer.attention) for layer in self._layers]
-        self._io = StepIO(self.shape, self._layers, rings)
-        self._rings = rings
+        self._io = StepIO(self.shape, rings)
         self._ring_slots = StreamSlots([pool for r in rings for pool in r.pools], settings.planned_streams)
 
     def _layer_rings(self, attention: AttentionShape) -> LayerRings:
@@ -205,7 +204,7 @@ class StageEngine:
         kv = STORAGE[self.settings.kv_precision]
         slot = self._ring_slots.take()
         layers = []
-        for layer, rings in zip(self._layers, self._rings, strict=True):
+        for layer, rings in zip(self._layers, self._io.rings, strict=True):
             a = layer.attention
             keys: RingRows | GrowingRows
             values: RingRows | GrowingRows
@@ -234,7 +233,7 @@ class StageEngine:
     @property
     def rings(self) -> bool:
         """Whether streams keep rows in rings (sliding windows, conv histories), which drop older rows."""
-        return any(rings.pools for rings in self._rings)
+        return any(rings.pools for rings in self._io.rings)
 
     @property
     def reach(self) -> int:
@@ -290,7 +289,7 @@ class StageEngine:
                 for array in arrays:
                     array[state.blocks] = array[held.blocks[:count]]
         else:
-            for pool in (pool for rings in self._rings for pool in rings.pools):
+            for pool in (pool for rings in self._io.rings for pool in rings.pools):
                 pool.data[state.ring_slot] = pool.data[held.ring_slot]
                 if pool.params is not None:
                     pool.params[state.ring_slot] = pool.params[held.ring_slot]
@@ -339,7 +338,7 @@ class StageEngine:
         are walked, as a step may add or drop entries meanwhile."""
         if self._pool is not None:
             return self._pool.nbytes
-        pooled = sum(pool.nbytes for rings in self._rings for pool in rings.pools)
+        pooled = sum(pool.nbytes for rings in self._io.rings for pool in rings.pools)
         growing = sum(
             store.nbytes
             for state in list(self._streams.values())

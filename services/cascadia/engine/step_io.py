@@ -115,9 +115,8 @@ class StepIO:
     keys and values and per layer's conv histories (`rings`, one slot per stream), and the far blocks of
     the last step's streams kept between steps (`far_stacks`)."""
 
-    def __init__(self, shape: ModelShape, layers: list[CompiledLayer], rings: list[LayerRings]) -> None:
+    def __init__(self, shape: ModelShape, rings: list[LayerRings]) -> None:
         self.shape = shape
-        self.layers = layers
         self.rings = rings
         # far blocks of the last step's streams, per global-layer input, kept until a stream opens or
         # closes. One list of streams only: a shard taking its pipeline's groups in turn starts the
